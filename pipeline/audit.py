@@ -1,0 +1,109 @@
+"""Audit a run from its logs alone: staleness bound, token versions, exactly-once consumption.
+
+Reads `<run>/samples` (every generated sample), `<run>/consumed` (what the trainer trained on, at which version),
+`<run>/admitted.parquet` (the gate's ledger) and `<run>/config.yaml` (for the bound). Nothing here trusts the
+process that produced the run: the verdict is recomputed from what is on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pds
+import pyarrow.parquet as pq
+from omegaconf import OmegaConf
+
+from pipeline.staleness import StalenessBudget
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class AuditReport:
+    checks: list[Check] = field(default_factory=list)
+    max_lag: int = 0
+    lag_bound: int = 0
+    consumed_samples: int = 0
+    admitted_prompts: int = 0
+    unconsumed_prompts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def table(self) -> str:
+        width = max(len(c.name) for c in self.checks)
+        lines = [f"{'check':<{width}}  result  detail"]
+        lines += [f"{c.name:<{width}}  {'PASS' if c.ok else 'FAIL':<6}  {c.detail}" for c in self.checks]
+        return "\n".join(lines)
+
+
+def read_dir(path: Path) -> pa.Table | None:
+    return pds.dataset(str(path), format="parquet").to_table() if path.exists() and any(path.iterdir()) else None
+
+
+def budget_of(run_dir: Path) -> StalenessBudget:
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    at = cfg.async_training
+    return StalenessBudget(at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches,
+                           cfg.actor.ppo_mini_batch_size)
+
+
+def audit(run_dir: str | Path) -> AuditReport:
+    run_dir = Path(run_dir)
+    budget = budget_of(run_dir)
+    samples = read_dir(run_dir / "samples")
+    consumed = read_dir(run_dir / "consumed")
+    admitted = pq.read_table(run_dir / "admitted.parquet")
+    report = AuditReport(lag_bound=budget.lag_bound, admitted_prompts=admitted.num_rows)
+    if samples is None or consumed is None:
+        report.checks.append(Check("logs present", False, f"no samples or no consumption log in {run_dir}"))
+        return report
+    joined = consumed.join(samples.select(["sample_id", "param_version"]), "sample_id")
+    report.consumed_samples = consumed.num_rows
+    lags = pc.subtract(joined["consumed_version"], joined["param_version"])
+    report.max_lag = int(pc.max(lags).as_py()) if len(lags) else 0
+    report.checks += [
+        Check("every consumed sample is in the sample log", joined.num_rows == consumed.num_rows,
+              f"{joined.num_rows}/{consumed.num_rows} found"),
+        Check("lag <= bound", report.max_lag <= budget.lag_bound,
+              f"max lag {report.max_lag}, bound {budget.lag_bound}"),
+        _monotone_versions(samples),
+        _exactly_once(consumed),
+    ]
+    report.checks.append(_admissions(admitted, consumed, report))
+    return report
+
+
+def _monotone_versions(samples: pa.Table) -> Check:
+    bad = 0
+    for versions, oldest in zip(samples["token_param_version"].to_pylist(), samples["param_version"].to_pylist(),
+                                strict=True):
+        if versions and (any(b < a for a, b in zip(versions, versions[1:], strict=False)) or versions[0] != oldest):
+            bad += 1
+    return Check("token versions never decrease", bad == 0, f"{bad} of {samples.num_rows} responses violate it")
+
+
+def _exactly_once(consumed: pa.Table) -> Check:
+    ids = consumed["sample_id"]
+    dupes = len(ids) - len(pc.unique(ids))
+    return Check("no sample consumed twice", dupes == 0, f"{dupes} duplicate consumptions")
+
+
+def _admissions(admitted: pa.Table, consumed: pa.Table, report: AuditReport) -> Check:
+    admitted_ids = set(admitted["prompt_id"].to_pylist())
+    consumed_ids = set(consumed["prompt_id"].to_pylist())
+    stray = consumed_ids - admitted_ids
+    report.unconsumed_prompts = len(admitted_ids - consumed_ids)
+    dup_admissions = admitted.num_rows - len(admitted_ids)
+    return Check("every admitted prompt consumed once or reported in flight", not stray and not dup_admissions,
+                 f"{len(consumed_ids)} consumed, {report.unconsumed_prompts} in flight at the end, "
+                 f"{len(stray)} consumed without admission, {dup_admissions} admitted twice")

@@ -1,0 +1,262 @@
+"""Typed run configuration: dataclasses merged with omegaconf, so a typo is an error.
+
+Key names follow verl's fully_async_policy where verl has one (`async_training.*`, `actor.ppo_mini_batch_size`,
+`rollout.n`, `rollout.total_rollout_steps`, `data.max_response_length`), so a verl user's overrides work as they
+are; verl's long prefixes `actor_rollout_ref.actor.` and `actor_rollout_ref.rollout.` are accepted too.
+
+Stages are swapped declaratively: each entry of `stages` names a class with `_target_` and its constructor
+keywords beside it. The wiring (pipeline/run.py) unpacks this into plain constructor arguments; nothing below
+pipeline/ sees the whole config.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+DEFAULT_CONFIG = CONF_DIR / "default.yaml"
+VERL_PREFIXES = {"actor_rollout_ref.actor.": "actor.", "actor_rollout_ref.rollout.": "rollout."}
+
+
+@dataclass
+class AsyncTrainingConfig:
+    staleness_threshold: float = 0.0
+    """Share of extra (stale) prompts the generator may admit per weight version; 0 is synchronous."""
+    trigger_parameter_sync_step: int = 1
+    """Optimizer steps between two weight syncs to the engines."""
+    require_batches: int = 1
+    """Mini-batches of `actor.ppo_mini_batch_size` prompts the trainer takes per step."""
+    partial_rollout: bool = False
+    """Interrupt in-flight generations at a sync and resume them with the new weights (needs staleness > 0)."""
+    use_rollout_log_probs: bool = True
+    """Use the engine's behaviour logprobs as old_log_prob in the PPO ratio."""
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 8
+    """Prompts per mini-batch (each carries `rollout.n` trajectories)."""
+    lr: float = 5e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    clip_ratio_low: float = 0.2
+    """PPO lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.28
+    """PPO upper clip: ratio <= 1 + clip_ratio_high."""
+    loss_agg_mode: str = "token-mean"
+    """'token-mean' (every token of the mini-batch weighs the same) or 'seq-mean-token-mean'."""
+    grad_clip: float = 1.0
+    """Max global grad norm."""
+    micro_batch_size: int = 32
+    """Trajectories per forward/backward pass (gradient accumulation; memory only)."""
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8
+    """Responses per prompt (the GRPO group size)."""
+    total_rollout_steps: int = 1536
+    """Prompts admitted over the whole run; trainer steps = this // (require_batches * ppo_mini_batch_size)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    num_replicas: int = 1
+    """Generate actors, each owning one engine."""
+    prompts_per_call: int = 2
+    """Prompts per Generate call; calls_in_flight of them run concurrently in each engine."""
+    calls_in_flight: int = 4
+    """Concurrent Generate calls per replica (continuous batching depth)."""
+    kv_cache_gb: int = 1
+    """KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
+
+
+@dataclass
+class DataConfig:
+    train_files: str = "embedded"
+    """Prompt file (parquet or jsonl, any fsspec URL) or 'embedded' for the built-in task."""
+    max_prompt_length: int = 64
+    """Prompts longer than this (in tokens) are an input error."""
+    max_response_length: int = 48
+    """max_tokens per response."""
+    num_embedded_prompts: int = 2000
+    """Size of the generated embedded data set."""
+    seed: int = 0
+    """Shuffle seed; epoch e uses seed + e."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded"
+    """HF model directory, or 'embedded' to build the tiny random model and tokenizer into the run directory."""
+    warm_start_steps: int = 200
+    """Supervised steps on the embedded task before RL (0 to skip); only for the embedded model."""
+    warm_start_lr: float = 3e-3
+    """Learning rate of the warm start."""
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "runs"
+    """Parent directory of run directories (any local path)."""
+    run_name: str = ""
+    """Run directory name; empty means a timestamp."""
+    monitor: str = "jsonl"
+    """'jsonl' (metrics.jsonl in the run directory) or 'null'."""
+    seed: int = 0
+    """Seed for model init, warm start and sampling."""
+    torch_threads: int = 1
+    """Intra-op threads of the trainer process."""
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Cluster address; empty starts a local Ray on 127.0.0.1."""
+    num_cpus: int = 8
+    """Logical CPUs of a local Ray; more than cores, so actors holding a CPU each cannot deadlock a 2-core box."""
+    no_progress_timeout_s: float = -1
+    """Fail the stream when no block moves for this long; -1 (never) for real runs, set in tests."""
+
+
+def _stage(target: str, **kwargs: Any) -> Any:
+    return field(default_factory=lambda: {"_target_": target, **kwargs})
+
+
+@dataclass
+class StagesConfig:
+    generate: Any = _stage("stages.generate.VLLMGenerate")
+    """Generation stage: class and its constructor keywords."""
+    reward: Any = _stage("stages.reward.Reward", timeout_s=5.0)
+    """Reward stage."""
+    advantage: Any = _stage("stages.advantage.GRPOAdvantage", epsilon=1e-6)
+    """Advantage stage."""
+
+
+@dataclass
+class RunConfig:
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key and the fix."""
+
+
+def _translate_verl(override: str) -> str:
+    for long, short in VERL_PREFIXES.items():
+        if override.startswith(long):
+            return short + override[len(long) :]
+    return override
+
+
+def _nearest(key: str, node: DictConfig) -> str:
+    options = [k for k in node.keys() if isinstance(k, str)] if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
+
+
+def _explain(err: Exception, schema: DictConfig) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    parts = key.split(".") if key else []
+    node = schema
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, DictConfig) and part in node else None
+    hint = _nearest(parts[-1], node) if parts and isinstance(node, DictConfig) else ""
+    reason = getattr(err, "msg", str(err)).split("\n")[0]
+    return ConfigError(f"config key '{key}': {reason}.{hint}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Merge defaults <- YAML file <- `key=value` overrides into a validated RunConfig."""
+    schema = OmegaConf.structured(RunConfig)
+    layers = [schema]
+    cfg_path = Path(path) if path else DEFAULT_CONFIG
+    if not cfg_path.exists():
+        raise ConfigError(f"config file {cfg_path} does not exist. Pass a YAML file from {CONF_DIR}.")
+    layers.append(OmegaConf.load(cfg_path))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. rollout.n=4).")
+    layers.append(OmegaConf.from_dotlist([_translate_verl(o) for o in overrides]))
+    try:
+        merged = OmegaConf.merge(*layers)
+        cfg: RunConfig = OmegaConf.to_object(merged)
+    except (ConfigKeyError, ValidationError) as err:
+        raise _explain(err, schema) from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks that the types alone cannot express."""
+    at = cfg.async_training
+    checks = [
+        (at.staleness_threshold >= 0, "async_training.staleness_threshold must be >= 0"),
+        (at.trigger_parameter_sync_step >= 1, "async_training.trigger_parameter_sync_step must be >= 1"),
+        (at.require_batches >= 1, "async_training.require_batches must be >= 1"),
+        (cfg.actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size must be >= 1"),
+        (cfg.rollout.n >= 1, "rollout.n must be >= 1"),
+        (cfg.rollout.num_replicas >= 1, "rollout.num_replicas must be >= 1"),
+        (cfg.actor.loss_agg_mode in ("token-mean", "seq-mean-token-mean"),
+         "actor.loss_agg_mode must be 'token-mean' or 'seq-mean-token-mean'"),
+        (cfg.trainer.monitor in ("jsonl", "null"), "trainer.monitor must be 'jsonl' or 'null'"),
+        (cfg.rollout.total_rollout_steps >= at.require_batches * cfg.actor.ppo_mini_batch_size,
+         "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    for name in ("generate", "reward", "advantage"):
+        stage_kwargs(getattr(cfg.stages, name), f"stages.{name}")
+
+
+def import_target(target: str, key: str) -> type:
+    module_name, _, attr = target.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"{key}._target_ '{target}' cannot be imported ({err}).") from None
+
+
+def stage_kwargs(spec: dict[str, Any], key: str) -> tuple[str, dict[str, Any]]:
+    """Split a stage spec into its target and constructor keywords, checked against the signature.
+
+    Only the module docstring-level names are checked here; the class is imported lazily by the wiring so
+    that `asyncrl --help` stays instant. A keyword the target does not take names its nearest spelling.
+    """
+    if not isinstance(spec, dict) or "_target_" not in spec:
+        raise ConfigError(f"{key} needs a '_target_' naming the stage class (e.g. stages.reward.Reward).")
+    kwargs = {k: v for k, v in spec.items() if k != "_target_"}
+    return spec["_target_"], kwargs
+
+
+def check_signature(cls: type, kwargs: dict[str, Any], key: str, provided: set[str] = frozenset()) -> None:
+    """Fail with the nearest valid name when a configured keyword is not a constructor parameter."""
+    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    for name in kwargs:
+        if name not in params:
+            close = difflib.get_close_matches(name, params, n=1, cutoff=0.5)
+            hint = f" Did you mean '{close[0]}'?" if close else f" It takes: {', '.join(params)}."
+            raise ConfigError(f"config key '{key}.{name}' is not a parameter of {cls.__name__}.{hint}")
+        if name in provided:
+            raise ConfigError(f"config key '{key}.{name}' is set by the wiring from the top-level config.")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,66 @@
+"""The whole fully-async loop: prompts -> gate -> generate -> reward -> advantage -> sample log -> trainer,
+with a weight push to every engine each `trigger_parameter_sync_step` steps.
+
+Generation runs ahead of training inside the stream for as long as the gate's staleness budget allows; the
+trainer only ever waits for data (trainer/idle_ratio) and the engines only ever wait for permits or syncs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+from tqdm import tqdm
+
+from pipeline import sync
+from pipeline.config import RunConfig
+from pipeline.monitor import make_monitor
+from pipeline.prepare import RunContext, prepare
+from pipeline.staleness import StalenessBudget, mode_name
+from pipeline.stream import build_stream, configure_data_context
+from pipeline.summary import finish_run, step_metrics
+from stages.sink import TrainingSink
+
+
+def run(cfg: RunConfig) -> dict:
+    ctx: RunContext = prepare(cfg)  # run dir, model (embedded + warm start), validated prompts, Ray
+    try:
+        return _loop(cfg, ctx)
+    finally:
+        ctx.shutdown()  # also on errors: a Ray we started must not outlive the run
+
+
+def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
+    at = cfg.async_training
+    budget = StalenessBudget(at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches,
+                             cfg.actor.ppo_mini_batch_size)
+    clock = ctx.start_clock(budget)
+    trainer = ctx.start_trainer()
+    configure_data_context(cfg.ray.no_progress_timeout_s)
+    stream = build_stream(cfg, ctx.blocks, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle)
+    sink = TrainingSink(iter(stream.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)),
+                        budget, cfg.rollout.n, str(ctx.run_dir / "consumed"),
+                        lambda v: ray.get(clock.outstanding_at_or_before.remote(v)))
+    monitor = make_monitor(cfg.trainer.monitor, ctx.run_dir)
+    total_steps, k = cfg.rollout.total_rollout_steps // budget.required_samples, at.trigger_parameter_sync_step
+    print(f"asyncrl: {mode_name(at.staleness_threshold, k, at.partial_rollout)}, {total_steps} steps, "
+          f"run dir {ctx.run_dir}", flush=True)
+    version, connected, started = 0, False, time.monotonic()
+    for step in tqdm(range(1, total_steps + 1), desc="train steps", unit="step", dynamic_ncols=True):
+        batch = sink.next_step(version, steps_left_after_this=k - 1 - (step - 1) % k)
+        if batch is None:
+            break
+        metrics = ray.get(trainer.train_step.remote(batch.minibatches(cfg.actor.ppo_mini_batch_size)))
+        sink.record(batch, version, step)
+        ray.get(clock.consumed.remote([g["prompt_id"][0].as_py() for g in batch.groups]))
+        metrics.update(step_metrics(batch, version, budget, ray.get(clock.stats.remote())))
+        if step % k == 0:
+            if not connected:  # the replicas exist once the stream runs; join them to the group once
+                sync.connect(trainer, clock, cfg.rollout.num_replicas)
+                connected = True
+            version += 1
+            metrics.update(sync.push(trainer, clock, version))
+        metrics["timing/elapsed_s"] = time.monotonic() - started
+        monitor.log(metrics, step)
+    monitor.close()
+    return finish_run(ctx, clock, sink, budget)

@@ -1,0 +1,73 @@
+"""verl's staleness arithmetic, as pure functions (the gate, the sink and the audit all use these).
+
+verl (fully_async_policy) counts, per weight version, the prompts the rollouter admitted plus those carried over
+from earlier versions that the trainer has not consumed yet, and pauses generation when that count reaches
+
+    max_required_samples = required_samples * (1 + staleness_threshold) * trigger_parameter_sync_step
+    required_samples     = ppo_mini_batch_size * require_batches
+
+At a sync the count restarts at the number of prompts admitted but not yet consumed. We keep exactly that rule.
+A fractional threshold gives a fractional product: like verl we take the floor (never admit more than allowed).
+
+verl does not bound the lag of a sample; we do, and the audit proves it from the logs. The trainer consumes
+C = trigger_parameter_sync_step * required_samples prompts per version, and at most B = floor((1+s) C) are
+outstanding. If the sink always trains on the oldest admitted prompts first, and makes sure none admitted at
+version w - L is left when version w ends, then every sample's lag (consumer version - oldest token version) is
+at most L = ceil(s) (L = 0 for s = 0): the carried-over backlog after L versions is at most B - L*C <= C, so it
+always fits into the C prompts of the next version. Partial rollout does not change L: an interrupted response
+keeps its admission version as its oldest token version.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+_EPS = 1e-9  # (1 + 0.1) * 30 is 33.000000000000004 in floats; floor must still give 33
+
+
+@dataclass(frozen=True)
+class StalenessBudget:
+    staleness_threshold: float
+    trigger_parameter_sync_step: int
+    require_batches: int
+    ppo_mini_batch_size: int
+
+    @property
+    def required_samples(self) -> int:
+        """Prompts per trainer step."""
+        return self.ppo_mini_batch_size * self.require_batches
+
+    @property
+    def consumed_per_version(self) -> int:
+        """Prompts the trainer consumes between two weight syncs (C)."""
+        return self.required_samples * self.trigger_parameter_sync_step
+
+    @property
+    def max_required_samples(self) -> int:
+        """Most prompts admitted per version, carried-over ones included (B, verl's name)."""
+        return math.floor((1 + self.staleness_threshold) * self.consumed_per_version + _EPS)
+
+    @property
+    def lag_bound(self) -> int:
+        """Largest lag a consumed sample may have: ceil(s), 0 when synchronous."""
+        return math.ceil(self.staleness_threshold - _EPS) if self.staleness_threshold > 0 else 0
+
+    def permits(self, admitted_in_version: int, carried_over: int) -> int:
+        """Prompts the gate may still admit in the current version."""
+        return max(0, self.max_required_samples - admitted_in_version - carried_over)
+
+    def must_consume_now(self, outstanding_too_old: int, steps_left_after_this: int) -> int:
+        """Prompts at risk of exceeding the lag bound that this step has to take.
+
+        `outstanding_too_old` counts outstanding prompts admitted at version <= current - lag_bound: they must all
+        be consumed before the next sync. Whatever the remaining steps of this version cannot absorb is due now.
+        """
+        return max(0, outstanding_too_old - steps_left_after_this * self.required_samples)
+
+
+def mode_name(staleness_threshold: float, trigger_parameter_sync_step: int, partial_rollout: bool) -> str:
+    """The four modes of verl's recipe, by their settings."""
+    if staleness_threshold == 0:
+        return "on_policy_pipeline" if trigger_parameter_sync_step == 1 else "stream_off_policy_pipeline"
+    return "async_stream_partial_rollout" if partial_rollout else "async_stream_stale_samples"

@@ -1,0 +1,64 @@
+"""Wire the Ray Data stream from the config: source -> gate -> generate -> reward -> advantage -> sample log.
+
+Resources are set here, never inside a stage. Only this module reads stage specs from the config; the stages get
+plain constructor arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import ray
+from ray.data import ActorPoolStrategy, DataContext
+
+from pipeline.config import RunConfig, check_signature, import_target, stage_kwargs
+from stages.gate import StalenessGate
+from stages.sample_log import SampleLog
+
+MiB = 1 << 20
+
+
+def configure_data_context(no_progress_timeout_s: float) -> None:
+    ctx = DataContext.get_current()
+    ctx.execution_options.preserve_order = False  # the sink orders by admission; in-order delivery would stall it
+    ctx.target_max_block_size = 8 * MiB  # small blocks move as soon as they exist; groups are far smaller
+    ctx.execution_no_progress_timeout_s = no_progress_timeout_s  # -1: a gate blocked through a long step is fine
+    ctx.enable_progress_bars = False  # the driver shows one bar for the whole run
+    ctx.print_on_execution_start = False
+
+
+def _construct(spec: dict[str, Any], key: str, provided: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+    target, extra = stage_kwargs(spec, key)
+    cls = import_target(target, key)
+    check_signature(cls, extra, key, provided=set(provided))
+    return cls, {**provided, **extra}
+
+
+def build_stream(cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir: str, clock: tuple[str, str]):
+    """The lazy Ray Data dataset of scored samples; iterate it to run the stream."""
+    clock_name, namespace = clock
+    ro = cfg.rollout
+    gen_cls, gen_kwargs = _construct(cfg.stages.generate, "stages.generate", {
+        "model_dir": model_dir, "clock_name": clock_name, "namespace": namespace, "n": ro.n,
+        "max_tokens": cfg.data.max_response_length, "temperature": ro.temperature, "top_p": ro.top_p,
+        "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length, "kv_cache_gb": ro.kv_cache_gb,
+        "seed": cfg.trainer.seed,
+    })
+    reward_cls, reward_kwargs = _construct(cfg.stages.reward, "stages.reward", {})
+    adv_cls, adv_kwargs = _construct(cfg.stages.advantage, "stages.advantage", {"group_size": ro.n})
+
+    ds = ray.data.from_arrow(blocks)
+    ds = ds.map_batches(
+        StalenessGate, fn_constructor_kwargs={"clock_name": clock_name, "namespace": namespace},
+        batch_size=None, batch_format="pyarrow", num_cpus=0.1,
+        compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),  # one block at a time, in order
+    )
+    ds = ds.map_batches(
+        gen_cls, fn_constructor_kwargs=gen_kwargs, batch_size=None, batch_format="pyarrow", num_cpus=1,
+        compute=ActorPoolStrategy(size=ro.num_replicas, max_tasks_in_flight_per_actor=ro.calls_in_flight),
+    )
+    # Task stages: Ray Data fuses these three into one task per block.
+    ds = ds.map_batches(reward_cls(**reward_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
+    ds = ds.map_batches(adv_cls(**adv_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
+    return ds.map_batches(SampleLog(f"{run_dir}/samples"), batch_size=None, batch_format="pyarrow", num_cpus=0.25)

@@ -1,0 +1,99 @@
+"""Per-step metrics from a trained batch, and the end of a run: ledgers to disk, audit, printed summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from pipeline.audit import audit
+from pipeline.staleness import StalenessBudget
+from schemas import ADMITTED_SCHEMA
+
+
+def step_metrics(batch, version: int, budget: StalenessBudget, clock_stats: dict[str, Any]) -> dict[str, float]:
+    table = batch.table
+    lags = version - np.asarray(table["param_version"].to_pylist())
+    lengths = np.asarray(table["num_tokens"].to_pylist())
+    return {
+        "reward/mean": float(np.mean(table["reward"].to_pylist())),
+        "reward/error_ratio": float(np.mean([e is not None for e in table["reward_error"].to_pylist()])),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(np.mean([r == "length" for r in table["finish_reason"].to_pylist()])),
+        "staleness/max_lag": float(lags.max()),
+        "staleness/mean_lag": float(lags.mean()),
+        "fully_async/count/stale_trajectories": float((lags > 0).sum()),
+        "trainer/wait_s": batch.wait_s,
+        "trainer/version": float(version),
+        "gate/admitted_total": float(clock_stats["admitted_total"]),
+        "gate/outstanding": float(clock_stats["outstanding"]),
+        "gate/blocked_s": float(clock_stats["gate_blocked_s"]),
+    }
+
+
+def _read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def summarize(run_dir: Path, report) -> dict[str, Any]:
+    rows = _read_metrics(run_dir)
+    rewards = [r["reward/mean"] for r in rows]
+    tenth = max(1, len(rewards) // 10)
+    syncs = [r["sync/latency_s"] for r in rows if "sync/latency_s" in r]
+    waits = sum(r["trainer/wait_s"] for r in rows)
+    trains = sum(r["timing/train_s"] for r in rows)
+    return {
+        "run_dir": str(run_dir),
+        "steps": len(rows),
+        "samples_consumed": report.consumed_samples,
+        "prompts_admitted": report.admitted_prompts,
+        "prompts_in_flight_at_end": report.unconsumed_prompts,
+        "reward_first": float(np.mean(rewards[:tenth])) if rewards else float("nan"),
+        "reward_last": float(np.mean(rewards[-tenth:])) if rewards else float("nan"),
+        "max_lag": report.max_lag,
+        "lag_bound": report.lag_bound,
+        "syncs": len(syncs),
+        "sync_mean_s": float(np.mean(syncs)) if syncs else 0.0,
+        "trainer_idle_ratio": waits / max(waits + trains, 1e-9),
+        "wall_s": rows[-1]["timing/elapsed_s"] if rows else 0.0,
+        "audit_ok": report.ok,
+    }
+
+
+def finish_run(ctx, clock, sink, budget: StalenessBudget) -> dict[str, Any]:
+    """Write the gate's ledger, stop Ray if we started it, audit the logs and print the summary."""
+    ray.get(clock.close.remote())
+    admissions = ray.get(clock.admissions.remote())
+    pq.write_table(pa.table({"prompt_id": [a[0] for a in admissions], "admitted_version": [a[1] for a in admissions],
+                             "admitted_time": [a[2] for a in admissions]}, schema=ADMITTED_SCHEMA),
+                   ctx.run_dir / "admitted.parquet")
+    outstanding = ray.get(clock.stats.remote())["outstanding"]
+    ctx.shutdown()
+    report = audit(ctx.run_dir)
+    (ctx.run_dir / "audit.txt").write_text(report.table() + "\n")
+    summary = summarize(ctx.run_dir, report)
+    summary["prompts_outstanding_in_clock"] = outstanding
+    summary["prompts_buffered_unconsumed"] = len(sink.leftover())
+    (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_summary(summary, report), flush=True)
+    return summary
+
+
+def format_summary(s: dict[str, Any], report) -> str:
+    return "\n".join([
+        "", "== asyncrl run summary ==",
+        f"steps {s['steps']}, samples consumed {s['samples_consumed']}, prompts admitted {s['prompts_admitted']} "
+        f"({s['prompts_in_flight_at_end']} still in flight at the end)",
+        f"reward {s['reward_first']:.3f} (first 10% of steps) -> {s['reward_last']:.3f} (last 10%)",
+        f"max lag {s['max_lag']} (bound {s['lag_bound']}), syncs {s['syncs']}, mean sync {s['sync_mean_s']:.3f}s, "
+        f"trainer idle {s['trainer_idle_ratio']:.2f}, wall {s['wall_s']:.0f}s",
+        report.table(),
+        f"audit: {'PASS' if report.ok else 'FAIL'}  ({s['run_dir']})",
+    ])

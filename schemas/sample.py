@@ -1,0 +1,112 @@
+"""The Arrow schema of a sample batch: every column the stream carries, declared once.
+
+A row is one trajectory (one of the `rollout.n` responses to a prompt). The rows of a GRPO group
+(same `prompt_id`) always travel in the same block.
+
+Invariants:
+- `response_ids`, `response_logprobs`, `token_param_version` and `response_mask` have the same length,
+  `num_tokens`.
+- `param_version` is the oldest entry of `token_param_version` (the weights that started the response);
+  `param_version_end` the newest. They differ only for partial rollouts.
+- A sample's lag is `consumed_version - param_version`; the run's config bounds it (pipeline.staleness).
+- Times are seconds since the epoch (float64), measured where the stage runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    doc: str
+
+
+def _col(name: str, type_: pa.DataType, doc: str) -> Column:
+    return Column(name, type_, doc)
+
+
+# Columns of a prompt row, as the source emits it.
+PROMPT_COLUMNS = (
+    _col("prompt_id", pa.string(), "unique id of the prompt admission (epoch and row); one GRPO group"),
+    _col("prompt_text", pa.string(), "prompt as text, for logs and notebooks"),
+    _col("prompt_ids", pa.list_(pa.int32()), "prompt token ids, validated against the vocabulary"),
+    _col("ground_truth", pa.string(), "reference answer the verifier compares against"),
+    _col("data_source", pa.string(), "task name; selects the verifier"),
+)
+
+# Added by the StalenessGate.
+GATE_COLUMNS = (
+    _col("admitted_version", pa.int64(), "weight version of the clock when the gate admitted the prompt"),
+    _col("admitted_time", pa.float64(), "when the prompt was admitted (s since epoch)"),
+)
+
+# Added by Generate, one row per trajectory.
+GENERATE_COLUMNS = (
+    _col("sample_id", pa.string(), "unique id of the trajectory: '<prompt_id>/<index in group>'"),
+    _col("response_ids", pa.list_(pa.int32()), "generated token ids"),
+    _col("response_text", pa.string(), "generated text, decoded"),
+    _col("response_logprobs", pa.list_(pa.float32()), "behaviour logprob of each response token"),
+    _col("token_param_version", pa.list_(pa.int64()), "weight version that produced each response token"),
+    _col("param_version", pa.int64(), "oldest token version (the weights that started the response)"),
+    _col("param_version_end", pa.int64(), "newest token version"),
+    _col("response_mask", pa.list_(pa.int8()), "1 where the token is trained on, 0 for masked tokens"),
+    _col("num_tokens", pa.int32(), "number of response tokens"),
+    _col("num_resumes", pa.int32(), "times the response was interrupted by a weight sync and resumed"),
+    _col("finish_reason", pa.string(), "'stop' (EOS) or 'length' (hit max_tokens)"),
+    _col("replica", pa.int32(), "index of the Generate replica that produced the response"),
+    _col("generated_time", pa.float64(), "when the last token was produced (s since epoch)"),
+    _col("gen_latency_s", pa.float64(), "wall time from the engine accepting the prompt to the last token"),
+)
+
+# Added by Reward and Advantage.
+REWARD_COLUMNS = (
+    _col("reward", pa.float32(), "verifier score in [0, 1]; 0 when the verifier failed"),
+    _col("reward_error", pa.string(), "why the verifier failed on this sample, null when it succeeded"),
+)
+ADVANTAGE_COLUMNS = (_col("advantage", pa.float32(), "group-normalised reward (GRPO), one value per trajectory"),)
+
+# Added by the training sink when it consumes a sample.
+TRAIN_COLUMNS = (
+    _col("consumed_version", pa.int64(), "trainer weight version when the sample was trained on"),
+    _col("consumed_step", pa.int64(), "optimizer step that used the sample (1-based)"),
+    _col("consumed_time", pa.float64(), "when the trainer consumed the sample (s since epoch)"),
+)
+
+ALL_COLUMNS = PROMPT_COLUMNS + GATE_COLUMNS + GENERATE_COLUMNS + REWARD_COLUMNS + ADVANTAGE_COLUMNS
+SAMPLE_SCHEMA = pa.schema([pa.field(c.name, c.type) for c in ALL_COLUMNS])
+# The sink's consumption log: one row per trained trajectory, joined to the sample log by sample_id.
+CONSUMED_SCHEMA = pa.schema(
+    [pa.field("sample_id", pa.string()), pa.field("prompt_id", pa.string())]
+    + [pa.field(c.name, c.type) for c in TRAIN_COLUMNS]
+)
+# The gate's admission log: one row per admitted prompt.
+ADMITTED_SCHEMA = pa.schema([pa.field("prompt_id", pa.string())] + [pa.field(c.name, c.type) for c in GATE_COLUMNS])
+COLUMN_DOCS = {c.name: c.doc for c in ALL_COLUMNS + TRAIN_COLUMNS}
+
+
+# prompt_id of the last row of every stream. The gate holds it until the trainer is done, so the stream (and with it
+# the engines that weight syncs must reach) stays up for the whole run, even after the last prompt was generated.
+END_OF_STREAM = "__end_of_stream__"
+
+
+class MissingColumnsError(KeyError):
+    """A stage received a batch without the columns it needs."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+def require_columns(batch, columns: tuple[str, ...] | list[str], where: str) -> None:
+    """Raise one clear error naming every missing column and the stage that needed it."""
+    present = set(batch.keys()) if hasattr(batch, "keys") else set(batch.column_names)
+    missing = [c for c in columns if c not in present]
+    if missing:
+        raise MissingColumnsError(
+            f"{where} needs column(s) {missing} but the batch has {sorted(present)}. "
+            f"Check the stage order in the config: the stage that adds {missing[0]!r} must run before {where}."
+        )

@@ -1,0 +1,48 @@
+"""StalenessGate: the backpressure operator that bounds staleness, not bytes.
+
+Input columns:  prompt_id, prompt_text, prompt_ids, ground_truth, data_source
+Output columns: input columns + admitted_version (int64), admitted_time (float64)
+
+Ray Data's own backpressure bounds memory: left alone, an endless source runs hundreds of blocks ahead of the
+trainer. This stage runs as a single actor with one task in flight; each call waits on the VersionClock for
+permits and yields the rows it was allowed to admit, so Ray Data stops pulling prompts exactly when verl's
+rollouter would pause. A block is split when only part of it fits the current version's budget: never more
+than `max_required_samples` prompts are admitted per version, and never fewer when the trainer needs them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+
+from schemas import END_OF_STREAM, require_columns
+from schemas.sample import GATE_COLUMNS, PROMPT_COLUMNS
+
+_GATE_TYPES = {c.name: c.type for c in GATE_COLUMNS}
+
+
+class StalenessGate:
+    def __init__(self, clock_name: str, namespace: str) -> None:
+        self.clock = ray.get_actor(clock_name, namespace=namespace)
+
+    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+        require_columns(batch, [c.name for c in PROMPT_COLUMNS], "StalenessGate")
+        is_end = pc.equal(batch["prompt_id"], END_OF_STREAM)
+        pending = batch.filter(pc.invert(is_end))
+        while pending.num_rows:
+            ids = pending.column("prompt_id").to_pylist()
+            version, admitted = ray.get(self.clock.acquire.remote(ids))
+            taken = pending.slice(0, len(admitted))
+            times = [time.time()] * len(admitted)
+            taken = taken.append_column(pa.field("admitted_version", _GATE_TYPES["admitted_version"]),
+                                        pa.array([version] * len(admitted), _GATE_TYPES["admitted_version"]))
+            taken = taken.append_column(pa.field("admitted_time", _GATE_TYPES["admitted_time"]),
+                                        pa.array(times, _GATE_TYPES["admitted_time"]))
+            yield taken
+            pending = pending.slice(len(admitted))
+        if pc.any(is_end).as_py():
+            ray.get(self.clock.wait_closed.remote())  # keep the stream open until the trainer is done

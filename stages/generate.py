@@ -1,0 +1,197 @@
+"""Generate: n responses per prompt from an async vLLM engine that takes weight updates mid-stream.
+
+Input columns:  prompt_id, prompt_text, prompt_ids, ground_truth, data_source, admitted_version, admitted_time
+Output columns: input columns, repeated for each of the n responses (the group stays in one block), plus
+                sample_id, response_ids, response_text, response_logprobs, token_param_version, param_version,
+                param_version_end, response_mask, num_tokens, num_resumes, finish_reason, replica,
+                generated_time, gen_latency_s
+
+Each replica is one Ray Data actor owning one engine. The engine runs on its own event loop thread, so Ray Data's
+calls and the control coroutine (weight syncs relayed by the VersionClock) interleave freely: a sync can arrive
+while calls are in flight. Per-token versions come from the engine core itself: it labels every output batch
+with its weight version (`update_weight_version`), and the final output of a request carries the version spans
+over its tokens. That label is exact even for tokens still in transit when the weights change.
+
+At a sync the engine pauses in `wait` mode: requests already in the engine finish with the old weights, new ones
+queue until the new weights are in (verl's mode c, and harmless in the synchronous modes where nothing is in
+flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import ray
+
+from schemas import SAMPLE_SCHEMA, require_columns
+from schemas.sample import GATE_COLUMNS, GENERATE_COLUMNS, PROMPT_COLUMNS
+
+_IN_COLUMNS = [c.name for c in PROMPT_COLUMNS + GATE_COLUMNS]
+_OUT_SCHEMA = pa.schema([SAMPLE_SCHEMA.field(c) for c in _IN_COLUMNS + [c.name for c in GENERATE_COLUMNS]])
+
+
+def _eos_token_id(model_dir: str) -> int:
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return eos[0] if isinstance(eos, list) else int(eos)
+    raise ValueError(f"{model_dir} declares no eos_token_id in generation_config.json or config.json")
+
+
+class VLLMGenerate:
+    def __init__(
+        self,
+        model_dir: str,
+        clock_name: str,
+        namespace: str,
+        n: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_model_len: int = 256,
+        kv_cache_gb: int = 1,
+        dtype: str = "float32",
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.clock = ray.get_actor(clock_name, namespace=namespace)
+        self.replica = ray.get(self.clock.register_replica.remote())
+        self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
+        self.eos = _eos_token_id(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.vocab_size = len(self.tokenizer)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
+        engine_kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=seed + self.replica)
+        self.engine = self._run(self._start_engine(engine_kwargs))
+        self.control = asyncio.run_coroutine_threadsafe(self._control_loop(), self.loop)
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _start_engine(self, kwargs: dict[str, Any]) -> Any:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            skip_tokenizer_init=True,  # token ids in, token ids out: the stage decodes with its own tokenizer
+            enforce_eager=True,
+            distributed_executor_backend="uni",  # one worker in the engine-core process: fastest start on CPU
+            worker_extension_cls="stages.vllm_worker.WeightReceiver",
+            **kwargs,
+        )
+        engine = AsyncLLM.from_engine_args(args)
+        await engine.update_weight_version("0")
+        return engine
+
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        require_columns(batch, _IN_COLUMNS, "VLLMGenerate")
+        rows = batch.select(_IN_COLUMNS).to_pylist()
+        for row in rows:  # an out-of-range id kills the engine core: refuse it here, by name
+            bad = [t for t in row["prompt_ids"] if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {row['prompt_id']} has token ids {bad[:5]} outside the vocabulary")
+        future = asyncio.run_coroutine_threadsafe(self._generate_rows(rows), self.loop)
+        out_rows = await asyncio.wrap_future(future)
+        return pa.Table.from_pylist(out_rows, schema=_OUT_SCHEMA)
+
+    async def _generate_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        jobs = [self._one(row, i) for row in rows for i in range(self.n)]
+        return list(await asyncio.gather(*jobs))
+
+    async def _one(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            logprobs=0,  # the sampled token's logprob: the behaviour policy
+            stop_token_ids=[self.eos],  # the engine has no tokenizer, so it does not know EOS by itself
+            output_kind=RequestOutputKind.DELTA,
+        )
+        sample_id = f"{row['prompt_id']}/{index}"
+        start = time.time()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        final = None
+        request = {"prompt_token_ids": [int(t) for t in row["prompt_ids"]]}
+        async for out in self.engine.generate(request, params, request_id=f"{sample_id}#{uuid.uuid4().hex[:8]}"):
+            final = out.outputs[0]
+            tokens.extend(final.token_ids)
+            logprobs.extend(step[tok].logprob for step, tok in zip(final.logprobs, final.token_ids, strict=True))
+        versions = _expand_spans(final.weight_versions, len(tokens), sample_id)
+        return {
+            **row,
+            "sample_id": sample_id,
+            "response_ids": tokens,
+            "response_text": self.tokenizer.decode(tokens, skip_special_tokens=True),
+            "response_logprobs": logprobs,
+            "token_param_version": versions,
+            "param_version": min(versions, default=row["admitted_version"]),
+            "param_version_end": max(versions, default=row["admitted_version"]),
+            "response_mask": [1] * len(tokens),
+            "num_tokens": len(tokens),
+            "num_resumes": 0,
+            "finish_reason": final.finish_reason,
+            "replica": self.replica,
+            "generated_time": time.time(),
+            "gen_latency_s": time.time() - start,
+        }
+
+    # --- weight syncs, relayed by the VersionClock -----------------------------------------------------------
+    async def _control_loop(self) -> None:
+        seen = 0
+        while True:
+            msg = await asyncio.wrap_future(self.clock.next_message.remote(seen).future())
+            seen = msg["seq"]
+            handler = {"init_group": self._init_group, "sync": self._sync}[msg["kind"]]
+            payload = await handler(msg)
+            self.clock.ack.remote(seen, self.replica, payload)
+
+    async def _init_group(self, msg: dict[str, Any]) -> dict[str, Any]:
+        args = (msg["host"], msg["port"], self.replica + 1, msg["world_size"], msg["backend"])
+        await self.engine.collective_rpc("init_weight_group", args=args)
+        return {"replica": self.replica}
+
+    async def _sync(self, msg: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.monotonic()
+        await self.engine.pause_generation(mode="wait", clear_cache=True)
+        t1 = time.monotonic()
+        await self.engine.collective_rpc("receive_weights", args=(msg["names"], msg["shapes"], msg["dtypes"]))
+        await self.engine.update_weight_version(str(msg["version"]))
+        t2 = time.monotonic()
+        await self.engine.resume_generation()
+        return {"replica": self.replica, "pause_s": t1 - t0, "transfer_s": t2 - t1, "resume_s": time.monotonic() - t2}
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def _expand_spans(spans: Any, num_tokens: int, sample_id: str) -> list[int]:
+    """Per-token versions from the engine's [(version, start, end)] spans."""
+    if num_tokens == 0:
+        return []
+    if not spans:
+        raise RuntimeError(f"{sample_id}: the engine reported no weight version for its tokens")
+    versions: list[int] = []
+    for span in spans:
+        versions.extend([int(span.version)] * (span.end - span.start))
+    if len(versions) != num_tokens:
+        raise RuntimeError(f"{sample_id}: version spans cover {len(versions)} tokens, the response has {num_tokens}")
+    return versions

@@ -1,0 +1,166 @@
+"""TorchTrainer: the plain-torch trainer backend (HF causal LM, AdamW, PPO-clip with token-level aggregation).
+
+It runs in one long-lived Ray actor: the driver hands it each step's samples (already grouped by the training
+sink) and asks it to push its weights to the engines every `trigger_parameter_sync_step` steps. Like verl, one
+step is `require_batches` mini-batches of `ppo_mini_batch_size` prompts, one optimizer update each; a
+mini-batch is split into micro-batches only to bound memory. The behaviour logprobs from the engine are the
+old logprobs of the PPO ratio (`use_rollout_log_probs`); otherwise the trainer recomputes them with the weights
+at the start of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from stages.trainer.loss import ppo_clip_loss
+from stages.trainer.weight_sync import GlooWeightSync
+
+_NEEDS = ("prompt_ids", "response_ids", "response_logprobs", "response_mask", "advantage")
+
+
+class TorchTrainer:
+    def __init__(
+        self,
+        model_dir: str,
+        lr: float,
+        weight_decay: float = 0.0,
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.28,
+        loss_agg_mode: str = "token-mean",
+        grad_clip: float = 1.0,
+        micro_batch_size: int = 32,
+        use_rollout_log_probs: bool = True,
+        seed: int = 0,
+        torch_threads: int = 1,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        torch.set_num_threads(torch_threads)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.clip = (clip_ratio_low, clip_ratio_high)
+        self.agg, self.grad_clip, self.micro = loss_agg_mode, grad_clip, micro_batch_size
+        self.use_rollout_log_probs = use_rollout_log_probs
+        self.pad = self.model.config.pad_token_id or 0
+        self.sync = GlooWeightSync()
+
+    # --- training --------------------------------------------------------------------------------------------
+    def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
+        """One trainer step: an optimizer update per mini-batch. Each mini-batch maps column -> list of rows."""
+        start = time.monotonic()
+        totals: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0}
+        tokens = 0
+        for mb in minibatches:
+            missing = [c for c in _NEEDS if c not in mb]
+            if missing:
+                raise KeyError(f"TorchTrainer needs columns {missing}")
+            if not self.use_rollout_log_probs:
+                mb = {**mb, "response_logprobs": self.logprobs(mb["prompt_ids"], mb["response_ids"])}
+            stats = self._update(mb)
+            for key in totals:
+                totals[key] += stats[key]
+            tokens += stats["tokens"]
+        n = len(minibatches)
+        return {
+            "train/loss": totals["loss"] / n,
+            "train/grad_norm": totals["grad_norm"] / n,
+            "train/pg_clipfrac": totals["clipped"] / max(tokens, 1),
+            "train/ratio_mean": totals["ratio"] / max(tokens, 1),
+            "train/ppo_kl": totals["kl"] / max(tokens, 1),
+            "train/num_tokens": float(tokens),
+            "timing/train_s": time.monotonic() - start,
+        }
+
+    def _update(self, mb: dict[str, list]) -> dict[str, float]:
+        rows = len(mb["response_ids"])
+        masks = [np.asarray(m, dtype=np.float32) for m in mb["response_mask"]]
+        num_tokens = float(sum(m.sum() for m in masks))
+        denominator = max(num_tokens, 1.0) if self.agg == "token-mean" else float(rows)
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "tokens": num_tokens}
+        for lo in range(0, rows, self.micro):
+            sl = slice(lo, lo + self.micro)
+            logp, mask = self._token_logprobs(mb["prompt_ids"][sl], mb["response_ids"][sl])
+            old = _pad([np.asarray(x, np.float32) for x in mb["response_logprobs"][sl]], logp.shape[1])
+            mask = mask * _pad(masks[sl], logp.shape[1])
+            adv = torch.tensor(np.asarray(mb["advantage"][sl], np.float32))
+            res = ppo_clip_loss(logp, old, adv, mask, *self.clip, self.agg, denominator)
+            res.loss.backward()
+            out["loss"] += res.loss.detach().item()
+            out["clipped"] += res.clipped_tokens
+            out["ratio"] += res.ratio_sum
+            out["kl"] += res.kl_sum
+        out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        self.optimizer.step()
+        return out
+
+    def _token_logprobs(self, prompts: list, responses: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprob of each response token under the current weights: (B, T) values and (B, T) validity mask."""
+        seqs = [torch.tensor(np.concatenate([p, r]).astype(np.int64)) for p, r in zip(prompts, responses, strict=True)]
+        ids = pad_sequence(seqs, batch_first=True, padding_value=self.pad)  # (B, S)
+        attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
+        logits = self.model(input_ids=ids, attention_mask=attn).logits.float()  # (B, S, V)
+        width = max((len(r) for r in responses), default=0)
+        logp = torch.zeros(len(seqs), width)
+        mask = torch.zeros(len(seqs), width)
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            if len(r) == 0:
+                continue
+            start = len(p) - 1  # logits at position t predict token t + 1
+            step_logits = logits[i, start : start + len(r)]  # (T_i, V)
+            target = torch.as_tensor(np.asarray(r, np.int64))
+            logp[i, : len(r)] = torch.log_softmax(step_logits, -1).gather(-1, target[:, None]).squeeze(-1)
+            mask[i, : len(r)] = 1.0
+        return logp, mask
+
+    @torch.no_grad()
+    def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
+        """Recompute response-token logprobs with the current weights (tests compare them with the engine's)."""
+        logp, _ = self._token_logprobs(prompts, responses)
+        return [logp[i, : len(r)].tolist() for i, r in enumerate(responses)]
+
+    # --- weight sync -------------------------------------------------------------------------------------------
+    def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        weights = list(self.model.named_parameters())
+        if self.model.config.tie_word_embeddings:  # vLLM keeps its own head: send it, or it stays stale
+            weights.append(("lm_head.weight", self.model.get_output_embeddings().weight))
+        return weights
+
+    def open_weight_sync(self, world_size: int) -> dict[str, Any]:
+        return self.sync.open(world_size)
+
+    def wait_weight_sync(self) -> None:
+        self.sync.wait_open()
+
+    def weight_meta(self) -> dict[str, list]:
+        weights = self._named_weights()
+        return {
+            "names": [n for n, _ in weights],
+            "shapes": [list(t.shape) for _, t in weights],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in weights],
+        }
+
+    @torch.no_grad()
+    def push_weights(self) -> dict[str, float]:
+        start = time.monotonic()
+        sent = self.sync.push(t for _, t in self._named_weights())
+        return {"sync/bytes": float(sent), "sync/broadcast_s": time.monotonic() - start}
+
+    @torch.no_grad()
+    def set_weight(self, name: str, value: float) -> None:
+        """Fill one parameter with a constant (tests use it to prove a push changes the engine)."""
+        dict(self._named_weights())[name].fill_(value)
+
+
+def _pad(rows: list[np.ndarray], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row[:width])
+    return out
