@@ -128,17 +128,18 @@ class RayConfig:
     """Fail the stream when no block moves for this long; -1 (never) for real runs, set in tests."""
 
 
-def _stage(target: str, **kwargs: Any) -> Any:
-    return field(default_factory=lambda: {"_target_": target, **kwargs})
+def _stage(target: str) -> Any:
+    # Only the target: keyword defaults live in the class, so swapping `_target_` inherits nothing stale.
+    return field(default_factory=lambda: {"_target_": target})
 
 
 @dataclass
 class StagesConfig:
     generate: Any = _stage("stages.generate.VLLMGenerate")
     """Generation stage: class and its constructor keywords."""
-    reward: Any = _stage("stages.reward.Reward", timeout_s=5.0)
+    reward: Any = _stage("stages.reward.Reward")
     """Reward stage."""
-    advantage: Any = _stage("stages.advantage.GRPOAdvantage", epsilon=1e-6)
+    advantage: Any = _stage("stages.advantage.GRPOAdvantage")
     """Advantage stage."""
 
 

@@ -44,6 +44,7 @@ def build_stream(cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir
         "max_tokens": cfg.data.max_response_length, "temperature": ro.temperature, "top_p": ro.top_p,
         "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length, "kv_cache_gb": ro.kv_cache_gb,
         "seed": cfg.trainer.seed,
+        "partial_rollout": cfg.async_training.partial_rollout and cfg.async_training.staleness_threshold > 0,
     })
     reward_cls, reward_kwargs = _construct(cfg.stages.reward, "stages.reward", {})
     adv_cls, adv_kwargs = _construct(cfg.stages.advantage, "stages.advantage", {"group_size": ro.n})

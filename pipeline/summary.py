@@ -75,6 +75,7 @@ def finish_run(ctx, clock, sink, budget: StalenessBudget) -> dict[str, Any]:
                              "admitted_time": [a[2] for a in admissions]}, schema=ADMITTED_SCHEMA),
                    ctx.run_dir / "admitted.parquet")
     outstanding = ray.get(clock.stats.remote())["outstanding"]
+    sink.close()
     ctx.shutdown()
     report = audit(ctx.run_dir)
     (ctx.run_dir / "audit.txt").write_text(report.table() + "\n")

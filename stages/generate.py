@@ -12,9 +12,12 @@ while calls are in flight. Per-token versions come from the engine core itself: 
 with its weight version (`update_weight_version`), and the final output of a request carries the version spans
 over its tokens. That label is exact even for tokens still in transit when the weights change.
 
-At a sync the engine pauses in `wait` mode: requests already in the engine finish with the old weights, new ones
-queue until the new weights are in (verl's mode c, and harmless in the synchronous modes where nothing is in
-flight).
+At a sync the engine pauses. Without partial rollout it pauses in `wait` mode: requests already in the engine
+finish with the old weights and new ones queue until the new weights are in (verl's mode c; harmless in the
+synchronous modes, where nothing is in flight). With partial rollout it pauses in `abort` mode: each in-flight
+request ends with its partial tokens and logprobs, and is resubmitted at once as prompt + partial tokens with the
+remaining token budget; the paused engine queues it, so it continues with the new weights (KV recomputed, as in
+verl and AReaL). No token is generated twice and none is lost.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class VLLMGenerate:
         kv_cache_gb: int = 1,
         dtype: str = "float32",
         seed: int = 0,
+        partial_rollout: bool = False,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -69,6 +73,8 @@ class VLLMGenerate:
         self.replica = ray.get(self.clock.register_replica.remote())
         self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
         self.eos = _eos_token_id(model_dir)
+        # Partial rollout interrupts in-flight requests at a sync; otherwise they drain with the old weights.
+        self.pause_mode = "abort" if partial_rollout else "wait"
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vocab_size = len(self.tokenizer)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
@@ -112,28 +118,21 @@ class VLLMGenerate:
         return list(await asyncio.gather(*jobs))
 
     async def _one(self, row: dict[str, Any], index: int) -> dict[str, Any]:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            logprobs=0,  # the sampled token's logprob: the behaviour policy
-            stop_token_ids=[self.eos],  # the engine has no tokenizer, so it does not know EOS by itself
-            output_kind=RequestOutputKind.DELTA,
-        )
         sample_id = f"{row['prompt_id']}/{index}"
         start = time.time()
+        prompt = [int(t) for t in row["prompt_ids"]]
         tokens: list[int] = []
         logprobs: list[float] = []
-        final = None
-        request = {"prompt_token_ids": [int(t) for t in row["prompt_ids"]]}
-        async for out in self.engine.generate(request, params, request_id=f"{sample_id}#{uuid.uuid4().hex[:8]}"):
-            final = out.outputs[0]
-            tokens.extend(final.token_ids)
-            logprobs.extend(step[tok].logprob for step, tok in zip(final.logprobs, final.token_ids, strict=True))
-        versions = _expand_spans(final.weight_versions, len(tokens), sample_id)
+        versions: list[int] = []
+        resumes = -1
+        finish = "abort"
+        while finish == "abort":  # only a sync aborts: resume from prompt + partial with the remaining budget
+            resumes += 1
+            seg_tokens, seg_logprobs, spans, finish = await self._segment(prompt + tokens, self.max_tokens - len(tokens),
+                                                                          f"{sample_id}#{resumes}")
+            tokens += seg_tokens
+            logprobs += seg_logprobs
+            versions += _expand_spans(spans, len(seg_tokens), sample_id)
         return {
             **row,
             "sample_id": sample_id,
@@ -145,12 +144,35 @@ class VLLMGenerate:
             "param_version_end": max(versions, default=row["admitted_version"]),
             "response_mask": [1] * len(tokens),
             "num_tokens": len(tokens),
-            "num_resumes": 0,
-            "finish_reason": final.finish_reason,
+            "num_resumes": resumes,
+            "finish_reason": finish,
             "replica": self.replica,
             "generated_time": time.time(),
             "gen_latency_s": time.time() - start,
         }
+
+    async def _segment(self, prompt: list[int], max_tokens: int, request_id: str) -> tuple[list, list, Any, str]:
+        """Stream one engine request; returns its tokens, logprobs, version spans and finish reason."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            logprobs=0,  # the sampled token's logprob: the behaviour policy
+            stop_token_ids=[self.eos],  # the engine has no tokenizer, so it does not know EOS by itself
+            output_kind=RequestOutputKind.DELTA,
+        )
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        final = None
+        request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+            final = out.outputs[0]
+            tokens.extend(final.token_ids)
+            logprobs.extend(step[tok].logprob for step, tok in zip(final.logprobs, final.token_ids, strict=True))
+        return tokens, logprobs, final.weight_versions, final.finish_reason
 
     # --- weight syncs, relayed by the VersionClock -----------------------------------------------------------
     async def _control_loop(self) -> None:
@@ -169,7 +191,7 @@ class VLLMGenerate:
 
     async def _sync(self, msg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.monotonic()
-        await self.engine.pause_generation(mode="wait", clear_cache=True)
+        await self.engine.pause_generation(mode=self.pause_mode, clear_cache=True)
         t1 = time.monotonic()
         await self.engine.collective_rpc("receive_weights", args=(msg["names"], msg["shapes"], msg["dtypes"]))
         await self.engine.update_weight_version(str(msg["version"]))

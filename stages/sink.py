@@ -113,6 +113,12 @@ class TrainingSink:
         with fs.open(f"{root}/step-{step_index:07d}.parquet", "wb") as f:
             pq.write_table(log, f)
 
+    def close(self) -> None:
+        """Stop the stream: closing its iterator shuts down Ray Data's executor and the stage actors."""
+        close = getattr(self.blocks, "close", None)
+        if close is not None:
+            close()
+
     def leftover(self) -> list[str]:
         """Prompts delivered to the sink but never trained on (reported at the end of a run)."""
         return list(self.buffer)
