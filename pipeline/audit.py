@@ -53,8 +53,9 @@ def read_dir(path: Path) -> pa.Table | None:
 def budget_of(run_dir: Path) -> StalenessBudget:
     cfg = OmegaConf.load(run_dir / "config.yaml")
     at = cfg.async_training
-    return StalenessBudget(at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches,
-                           cfg.actor.ppo_mini_batch_size)
+    return StalenessBudget(
+        at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches, cfg.actor.ppo_mini_batch_size
+    )
 
 
 def audit(run_dir: str | Path) -> AuditReport:
@@ -72,10 +73,14 @@ def audit(run_dir: str | Path) -> AuditReport:
     lags = pc.subtract(joined["consumed_version"], joined["param_version"])
     report.max_lag = int(pc.max(lags).as_py()) if len(lags) else 0
     report.checks += [
-        Check("every consumed sample is in the sample log", joined.num_rows == consumed.num_rows,
-              f"{joined.num_rows}/{consumed.num_rows} found"),
-        Check("lag <= bound", report.max_lag <= budget.lag_bound,
-              f"max lag {report.max_lag}, bound {budget.lag_bound}"),
+        Check(
+            "every consumed sample is in the sample log",
+            joined.num_rows == consumed.num_rows,
+            f"{joined.num_rows}/{consumed.num_rows} found",
+        ),
+        Check(
+            "lag <= bound", report.max_lag <= budget.lag_bound, f"max lag {report.max_lag}, bound {budget.lag_bound}"
+        ),
         _monotone_versions(samples),
         _exactly_once(consumed),
     ]
@@ -85,8 +90,9 @@ def audit(run_dir: str | Path) -> AuditReport:
 
 def _monotone_versions(samples: pa.Table) -> Check:
     bad = 0
-    for versions, oldest in zip(samples["token_param_version"].to_pylist(), samples["param_version"].to_pylist(),
-                                strict=True):
+    for versions, oldest in zip(
+        samples["token_param_version"].to_pylist(), samples["param_version"].to_pylist(), strict=True
+    ):
         if versions and (any(b < a for a, b in zip(versions, versions[1:], strict=False)) or versions[0] != oldest):
             bad += 1
     return Check("token versions never decrease", bad == 0, f"{bad} of {samples.num_rows} responses violate it")
@@ -104,6 +110,9 @@ def _admissions(admitted: pa.Table, consumed: pa.Table, report: AuditReport) -> 
     stray = consumed_ids - admitted_ids
     report.unconsumed_prompts = len(admitted_ids - consumed_ids)
     dup_admissions = admitted.num_rows - len(admitted_ids)
-    return Check("every admitted prompt consumed once or reported in flight", not stray and not dup_admissions,
-                 f"{len(consumed_ids)} consumed, {report.unconsumed_prompts} in flight at the end, "
-                 f"{len(stray)} consumed without admission, {dup_admissions} admitted twice")
+    return Check(
+        "every admitted prompt consumed once or reported in flight",
+        not stray and not dup_admissions,
+        f"{len(consumed_ids)} consumed, {report.unconsumed_prompts} in flight at the end, "
+        f"{len(stray)} consumed without admission, {dup_admissions} admitted twice",
+    )

@@ -10,8 +10,9 @@ asyncrl audit RUN_DIR                   re-check a finished run from its logs"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncrl", description="Fully-async RL post-training on Ray Data.",
-                                     usage=USAGE)
+    parser = argparse.ArgumentParser(
+        prog="asyncrl", description="Fully-async RL post-training on Ray Data.", usage=USAGE
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="run a job")
     run_p.add_argument("items", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")

@@ -98,10 +98,12 @@ class DataConfig:
 class ModelConfig:
     path: str = "embedded"
     """HF model directory, or 'embedded' to build the tiny random model and tokenizer into the run directory."""
-    warm_start_steps: int = 200
+    warm_start_steps: int = 500
     """Supervised steps on the embedded task before RL (0 to skip); only for the embedded model."""
-    warm_start_lr: float = 3e-3
+    warm_start_lr: float = 2e-3
     """Learning rate of the warm start."""
+    warm_start_smoothing: float = 0.5
+    """Label smoothing of the warm start: keeps sampled answers noisy while greedy ones are mostly right."""
 
 
 @dataclass
@@ -214,11 +216,15 @@ def validate(cfg: RunConfig) -> None:
         (cfg.actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size must be >= 1"),
         (cfg.rollout.n >= 1, "rollout.n must be >= 1"),
         (cfg.rollout.num_replicas >= 1, "rollout.num_replicas must be >= 1"),
-        (cfg.actor.loss_agg_mode in ("token-mean", "seq-mean-token-mean"),
-         "actor.loss_agg_mode must be 'token-mean' or 'seq-mean-token-mean'"),
+        (
+            cfg.actor.loss_agg_mode in ("token-mean", "seq-mean-token-mean"),
+            "actor.loss_agg_mode must be 'token-mean' or 'seq-mean-token-mean'",
+        ),
         (cfg.trainer.monitor in ("jsonl", "null"), "trainer.monitor must be 'jsonl' or 'null'"),
-        (cfg.rollout.total_rollout_steps >= at.require_batches * cfg.actor.ppo_mini_batch_size,
-         "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)"),
+        (
+            cfg.rollout.total_rollout_steps >= at.require_batches * cfg.actor.ppo_mini_batch_size,
+            "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)",
+        ),
     ]
     for ok, message in checks:
         if not ok:

@@ -32,8 +32,11 @@ class RunContext:
 
     def start_clock(self, budget: StalenessBudget):
         name = "version_clock"
-        clock = ray.remote(VersionClock).options(name=name, namespace=self.namespace, num_cpus=0,
-                                                 max_concurrency=1000).remote(budget, self.cfg.rollout.num_replicas)
+        clock = (
+            ray.remote(VersionClock)
+            .options(name=name, namespace=self.namespace, num_cpus=0, max_concurrency=1000)
+            .remote(budget, self.cfg.rollout.num_replicas)
+        )
         self.clock_handle = (name, self.namespace)
         self.actors.append(clock)
         return clock
@@ -42,15 +45,25 @@ class RunContext:
         from stages.trainer.torch_backend import TorchTrainer
 
         a, t = self.cfg.actor, self.cfg.trainer
-        trainer = ray.remote(TorchTrainer).options(num_cpus=1).remote(
-            str(self.model_dir), lr=a.lr, weight_decay=a.weight_decay, clip_ratio_low=a.clip_ratio_low,
-            clip_ratio_high=a.clip_ratio_high, loss_agg_mode=a.loss_agg_mode, grad_clip=a.grad_clip,
-            micro_batch_size=a.micro_batch_size, use_rollout_log_probs=self.cfg.async_training.use_rollout_log_probs,
-            seed=t.seed, torch_threads=t.torch_threads,
+        trainer = (
+            ray.remote(TorchTrainer)
+            .options(num_cpus=1)
+            .remote(
+                str(self.model_dir),
+                lr=a.lr,
+                weight_decay=a.weight_decay,
+                clip_ratio_low=a.clip_ratio_low,
+                clip_ratio_high=a.clip_ratio_high,
+                loss_agg_mode=a.loss_agg_mode,
+                grad_clip=a.grad_clip,
+                micro_batch_size=a.micro_batch_size,
+                use_rollout_log_probs=self.cfg.async_training.use_rollout_log_probs,
+                seed=t.seed,
+                torch_threads=t.torch_threads,
+            )
         )
         self.actors.append(trainer)
         return trainer
-
 
     def shutdown(self) -> None:
         if self.started_ray and ray.is_initialized():
@@ -70,19 +83,24 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> tuple[Path, str]:
     if cfg.model.path != "embedded":
         model_dir = Path(cfg.model.path)
         if not (model_dir / "config.json").exists():
-            raise FileNotFoundError(f"model.path {model_dir} has no config.json: point it at an HF model directory "
-                                    f"or use model.path=embedded")
+            raise FileNotFoundError(
+                f"model.path {model_dir} has no config.json: point it at an HF model directory "
+                f"or use model.path=embedded"
+            )
         if cfg.data.train_files == "embedded":
-            raise PromptDataError("data.train_files=embedded needs model.path=embedded (its tokenizer is built "
-                                  "with the task); set data.train_files to your prompt file")
+            raise PromptDataError(
+                "data.train_files=embedded needs model.path=embedded (its tokenizer is built "
+                "with the task); set data.train_files to your prompt file"
+            )
         return model_dir, cfg.data.train_files
     from pipeline.embedded import build_embedded
     from pipeline.warmstart import warm_start
 
     task = build_embedded(run_dir, cfg.data.num_embedded_prompts, cfg.trainer.seed)
     if cfg.model.warm_start_steps > 0:
-        stats = warm_start(task.model_dir, task.data_file, cfg.model.warm_start_steps, cfg.model.warm_start_lr,
-                           cfg.trainer.seed)
+        stats = warm_start(
+            task.model_dir, task.data_file, cfg.model.warm_start_steps, cfg.model.warm_start_lr, cfg.trainer.seed
+        )
         print(f"asyncrl: warm start {cfg.model.warm_start_steps} steps, {stats}", flush=True)
     data = str(task.data_file) if cfg.data.train_files == "embedded" else cfg.data.train_files
     return task.model_dir, data
@@ -93,14 +111,24 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     if ray.is_initialized():
         return False
     # Workers import stages/ and pipeline/ from the checkout; the engine's worker process does too.
-    env = {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "HF_HUB_OFFLINE": "1",
-                        "TOKENIZERS_PARALLELISM": "false"}}
+    env = {
+        "env_vars": {
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    }
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=False)
         return False
-    ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env=env, log_to_driver=os.environ.get("ASYNCRL_WORKER_LOGS") == "1",
-             _temp_dir=os.environ.get("ASYNCRL_RAY_TMP"))
+    ray.init(
+        num_cpus=cfg.ray.num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=env,
+        log_to_driver=os.environ.get("ASYNCRL_WORKER_LOGS") == "1",
+        _temp_dir=os.environ.get("ASYNCRL_RAY_TMP"),
+    )
     return True
 
 

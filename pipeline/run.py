@@ -32,21 +32,30 @@ def run(cfg: RunConfig) -> dict:
 
 def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
     at = cfg.async_training
-    budget = StalenessBudget(at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches,
-                             cfg.actor.ppo_mini_batch_size)
+    budget = StalenessBudget(
+        at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches, cfg.actor.ppo_mini_batch_size
+    )
     clock = ctx.start_clock(budget)
     trainer = ctx.start_trainer()
     configure_data_context(cfg.ray.no_progress_timeout_s)
     stream = build_stream(cfg, ctx.blocks, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle)
-    sink = TrainingSink(iter(stream.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)),
-                        budget, cfg.rollout.n, str(ctx.run_dir / "consumed"),
-                        lambda v: ray.get(clock.outstanding_at_or_before.remote(v)))
+    sink = TrainingSink(
+        iter(stream.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)),
+        budget,
+        cfg.rollout.n,
+        str(ctx.run_dir / "consumed"),
+        lambda v: ray.get(clock.outstanding_at_or_before.remote(v)),
+    )
     monitor = make_monitor(cfg.trainer.monitor, ctx.run_dir)
     total_steps, k = cfg.rollout.total_rollout_steps // budget.required_samples, at.trigger_parameter_sync_step
-    print(f"asyncrl: {mode_name(at.staleness_threshold, k, at.partial_rollout)}, {total_steps} steps, "
-          f"run dir {ctx.run_dir}", flush=True)
+    print(
+        f"asyncrl: {mode_name(at.staleness_threshold, k, at.partial_rollout)}, {total_steps} steps, "
+        f"run dir {ctx.run_dir}",
+        flush=True,
+    )
     version, connected, started = 0, False, time.monotonic()
-    for step in tqdm(range(1, total_steps + 1), desc="train steps", unit="step", dynamic_ncols=True):
+    bar = tqdm(range(1, total_steps + 1), desc="train steps", unit="step", dynamic_ncols=True)
+    for step in bar:
         batch = sink.next_step(version, steps_left_after_this=k - 1 - (step - 1) % k)
         if batch is None:
             break
@@ -62,5 +71,6 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
             metrics.update(sync.push(trainer, clock, version))
         metrics["timing/elapsed_s"] = time.monotonic() - started
         monitor.log(metrics, step)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", version=version, refresh=False)
     monitor.close()
     return finish_run(ctx, clock, sink, budget)

@@ -31,8 +31,10 @@ class PromptDataError(ValueError):
 def read_prompt_file(path: str) -> pa.Table:
     fs, root = fsspec.core.url_to_fs(path)
     if not fs.exists(root):
-        raise PromptDataError(f"data file {path} does not exist. Set data.train_files to a parquet or jsonl file "
-                              f"(or 'embedded' for the built-in task).")
+        raise PromptDataError(
+            f"data file {path} does not exist. Set data.train_files to a parquet or jsonl file "
+            f"(or 'embedded' for the built-in task)."
+        )
     suffix = PurePath(root).suffix.lower()
     with fs.open(root, "rb") as f:
         try:
@@ -50,8 +52,9 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int) -> pa.Table:
     table = read_prompt_file(path)
     missing = [c for c in REQUIRED if c not in table.column_names]
     if missing:
-        raise PromptDataError(f"data file {path} lacks column(s) {missing}; it has {table.column_names}. "
-                              f"Each row needs {list(REQUIRED)}.")
+        raise PromptDataError(
+            f"data file {path} lacks column(s) {missing}; it has {table.column_names}. Each row needs {list(REQUIRED)}."
+        )
     if table.num_rows == 0:
         raise PromptDataError(f"data file {path} has no rows.")
     rows = table.select(list(REQUIRED)).to_pylist()
@@ -59,20 +62,26 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int) -> pa.Table:
     for i, row in enumerate(rows):
         for col in REQUIRED:
             if not isinstance(row[col], str) or (col != "ground_truth" and not row[col].strip()):
-                raise PromptDataError(f"data file {path}, row {i}: column {col!r} must be a non-empty string, "
-                                      f"got {row[col]!r}. Fix or drop that row.")
+                raise PromptDataError(
+                    f"data file {path}, row {i}: column {col!r} must be a non-empty string, "
+                    f"got {row[col]!r}. Fix or drop that row."
+                )
         tokens = tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
         if len(tokens) > max_prompt_length:
-            raise PromptDataError(f"data file {path}, row {i}: prompt has {len(tokens)} tokens, more than "
-                                  f"data.max_prompt_length={max_prompt_length}. Raise the limit or shorten it.")
+            raise PromptDataError(
+                f"data file {path}, row {i}: prompt has {len(tokens)} tokens, more than "
+                f"data.max_prompt_length={max_prompt_length}. Raise the limit or shorten it."
+            )
         ids.append(tokens)
-    return pa.table({
-        "prompt_text": pa.array([r["prompt_text"] for r in rows], pa.string()),
-        "prompt_ids": pa.array(ids, _TYPES["prompt_ids"]),
-        "ground_truth": pa.array([r["ground_truth"] for r in rows], pa.string()),
-        "data_source": pa.array([r["data_source"] for r in rows], pa.string()),
-        "row": pa.array(range(len(rows)), pa.int64()),
-    })
+    return pa.table(
+        {
+            "prompt_text": pa.array([r["prompt_text"] for r in rows], pa.string()),
+            "prompt_ids": pa.array(ids, _TYPES["prompt_ids"]),
+            "ground_truth": pa.array([r["ground_truth"] for r in rows], pa.string()),
+            "data_source": pa.array([r["data_source"] for r in rows], pa.string()),
+            "row": pa.array(range(len(rows)), pa.int64()),
+        }
+    )
 
 
 def admission_blocks(prompts: pa.Table, total: int, block_rows: int, seed: int) -> list[pa.Table]:
@@ -86,6 +95,10 @@ def admission_blocks(prompts: pa.Table, total: int, block_rows: int, seed: int) 
         laid_out += len(order)
         epoch += 1
     table = pa.concat_tables(parts).combine_chunks()
-    end = pa.table({name: pa.array([END_OF_STREAM if name == "prompt_id" else None], table.schema.field(name).type)
-                    for name in table.column_names})
+    end = pa.table(
+        {
+            name: pa.array([END_OF_STREAM if name == "prompt_id" else None], table.schema.field(name).type)
+            for name in table.column_names
+        }
+    )
     return [table.slice(i, block_rows) for i in range(0, table.num_rows, block_rows)] + [end]

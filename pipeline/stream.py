@@ -39,24 +39,41 @@ def build_stream(cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir
     """The lazy Ray Data dataset of scored samples; iterate it to run the stream."""
     clock_name, namespace = clock
     ro = cfg.rollout
-    gen_cls, gen_kwargs = _construct(cfg.stages.generate, "stages.generate", {
-        "model_dir": model_dir, "clock_name": clock_name, "namespace": namespace, "n": ro.n,
-        "max_tokens": cfg.data.max_response_length, "temperature": ro.temperature, "top_p": ro.top_p,
-        "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length, "kv_cache_gb": ro.kv_cache_gb,
-        "seed": cfg.trainer.seed,
-        "partial_rollout": cfg.async_training.partial_rollout and cfg.async_training.staleness_threshold > 0,
-    })
+    gen_cls, gen_kwargs = _construct(
+        cfg.stages.generate,
+        "stages.generate",
+        {
+            "model_dir": model_dir,
+            "clock_name": clock_name,
+            "namespace": namespace,
+            "n": ro.n,
+            "max_tokens": cfg.data.max_response_length,
+            "temperature": ro.temperature,
+            "top_p": ro.top_p,
+            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "kv_cache_gb": ro.kv_cache_gb,
+            "seed": cfg.trainer.seed,
+            "partial_rollout": cfg.async_training.partial_rollout and cfg.async_training.staleness_threshold > 0,
+        },
+    )
     reward_cls, reward_kwargs = _construct(cfg.stages.reward, "stages.reward", {})
     adv_cls, adv_kwargs = _construct(cfg.stages.advantage, "stages.advantage", {"group_size": ro.n})
 
     ds = ray.data.from_arrow(blocks)
     ds = ds.map_batches(
-        StalenessGate, fn_constructor_kwargs={"clock_name": clock_name, "namespace": namespace},
-        batch_size=None, batch_format="pyarrow", num_cpus=0.1,
+        StalenessGate,
+        fn_constructor_kwargs={"clock_name": clock_name, "namespace": namespace},
+        batch_size=None,
+        batch_format="pyarrow",
+        num_cpus=0.1,
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),  # one block at a time, in order
     )
     ds = ds.map_batches(
-        gen_cls, fn_constructor_kwargs=gen_kwargs, batch_size=None, batch_format="pyarrow", num_cpus=1,
+        gen_cls,
+        fn_constructor_kwargs=gen_kwargs,
+        batch_size=None,
+        batch_format="pyarrow",
+        num_cpus=1,
         compute=ActorPoolStrategy(size=ro.num_replicas, max_tasks_in_flight_per_actor=ro.calls_in_flight),
     )
     # Task stages: Ray Data fuses these three into one task per block.

@@ -71,9 +71,17 @@ def finish_run(ctx, clock, sink, budget: StalenessBudget) -> dict[str, Any]:
     """Write the gate's ledger, stop Ray if we started it, audit the logs and print the summary."""
     ray.get(clock.close.remote())
     admissions = ray.get(clock.admissions.remote())
-    pq.write_table(pa.table({"prompt_id": [a[0] for a in admissions], "admitted_version": [a[1] for a in admissions],
-                             "admitted_time": [a[2] for a in admissions]}, schema=ADMITTED_SCHEMA),
-                   ctx.run_dir / "admitted.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "prompt_id": [a[0] for a in admissions],
+                "admitted_version": [a[1] for a in admissions],
+                "admitted_time": [a[2] for a in admissions],
+            },
+            schema=ADMITTED_SCHEMA,
+        ),
+        ctx.run_dir / "admitted.parquet",
+    )
     outstanding = ray.get(clock.stats.remote())["outstanding"]
     sink.close()
     ctx.shutdown()
@@ -88,13 +96,16 @@ def finish_run(ctx, clock, sink, budget: StalenessBudget) -> dict[str, Any]:
 
 
 def format_summary(s: dict[str, Any], report) -> str:
-    return "\n".join([
-        "", "== asyncrl run summary ==",
-        f"steps {s['steps']}, samples consumed {s['samples_consumed']}, prompts admitted {s['prompts_admitted']} "
-        f"({s['prompts_in_flight_at_end']} still in flight at the end)",
-        f"reward {s['reward_first']:.3f} (first 10% of steps) -> {s['reward_last']:.3f} (last 10%)",
-        f"max lag {s['max_lag']} (bound {s['lag_bound']}), syncs {s['syncs']}, mean sync {s['sync_mean_s']:.3f}s, "
-        f"trainer idle {s['trainer_idle_ratio']:.2f}, wall {s['wall_s']:.0f}s",
-        report.table(),
-        f"audit: {'PASS' if report.ok else 'FAIL'}  ({s['run_dir']})",
-    ])
+    return "\n".join(
+        [
+            "",
+            "== asyncrl run summary ==",
+            f"steps {s['steps']}, samples consumed {s['samples_consumed']}, prompts admitted {s['prompts_admitted']} "
+            f"({s['prompts_in_flight_at_end']} still in flight at the end)",
+            f"reward {s['reward_first']:.3f} (first 10% of steps) -> {s['reward_last']:.3f} (last 10%)",
+            f"max lag {s['max_lag']} (bound {s['lag_bound']}), syncs {s['syncs']}, mean sync {s['sync_mean_s']:.3f}s, "
+            f"trainer idle {s['trainer_idle_ratio']:.2f}, wall {s['wall_s']:.0f}s",
+            report.table(),
+            f"audit: {'PASS' if report.ok else 'FAIL'}  ({s['run_dir']})",
+        ]
+    )

@@ -38,10 +38,13 @@ class StalenessGate:
             version, admitted = ray.get(self.clock.acquire.remote(ids))
             taken = pending.slice(0, len(admitted))
             times = [time.time()] * len(admitted)
-            taken = taken.append_column(pa.field("admitted_version", _GATE_TYPES["admitted_version"]),
-                                        pa.array([version] * len(admitted), _GATE_TYPES["admitted_version"]))
-            taken = taken.append_column(pa.field("admitted_time", _GATE_TYPES["admitted_time"]),
-                                        pa.array(times, _GATE_TYPES["admitted_time"]))
+            taken = taken.append_column(
+                pa.field("admitted_version", _GATE_TYPES["admitted_version"]),
+                pa.array([version] * len(admitted), _GATE_TYPES["admitted_version"]),
+            )
+            taken = taken.append_column(
+                pa.field("admitted_time", _GATE_TYPES["admitted_time"]), pa.array(times, _GATE_TYPES["admitted_time"])
+            )
             yield taken
             pending = pending.slice(len(admitted))
         if pc.any(is_end).as_py():

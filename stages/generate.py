@@ -128,8 +128,9 @@ class VLLMGenerate:
         finish = "abort"
         while finish == "abort":  # only a sync aborts: resume from prompt + partial with the remaining budget
             resumes += 1
-            seg_tokens, seg_logprobs, spans, finish = await self._segment(prompt + tokens, self.max_tokens - len(tokens),
-                                                                          f"{sample_id}#{resumes}")
+            seg_tokens, seg_logprobs, spans, finish = await self._segment(
+                prompt + tokens, self.max_tokens - len(tokens), f"{sample_id}#{resumes}"
+            )
             tokens += seg_tokens
             logprobs += seg_logprobs
             versions += _expand_spans(spans, len(seg_tokens), sample_id)

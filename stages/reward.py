@@ -28,13 +28,16 @@ class Reward:
     def __call__(self, batch: pa.Table) -> pa.Table:
         require_columns(batch, _NEEDS, "Reward")
         rewards, errors = [], []
-        # One worker thread per call: a verifier stuck past its timeout is abandoned, not waited for.
-        with cf.ThreadPoolExecutor(max_workers=1) as pool:
-            for row in batch.select(_NEEDS).to_pylist():
-                reward, error = self._score(pool, row)
-                rewards.append(reward)
-                errors.append(error)
-            pool.shutdown(wait=False, cancel_futures=True)
+        pool = cf.ThreadPoolExecutor(max_workers=1)
+        for row in batch.select(_NEEDS).to_pylist():
+            reward, error = self._score(pool, row)
+            if error is not None and "timed out" in error:
+                # The stuck thread cannot be killed: abandon it, so it does not delay the next sample.
+                pool.shutdown(wait=False, cancel_futures=True)
+                pool = cf.ThreadPoolExecutor(max_workers=1)
+            rewards.append(reward)
+            errors.append(error)
+        pool.shutdown(wait=False, cancel_futures=True)
         batch = batch.append_column(SAMPLE_SCHEMA.field("reward"), pa.array(rewards, pa.float32()))
         return batch.append_column(SAMPLE_SCHEMA.field("reward_error"), pa.array(errors, pa.string()))
 

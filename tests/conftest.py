@@ -42,8 +42,10 @@ def run_job(ray_session, tmp_path):
     from pipeline.run import run
 
     def _run(*overrides: str, config: str | None = None, name: str = "run"):
-        cfg = load_config(config, [f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}",
-                                   "ray.no_progress_timeout_s=600", *overrides])
+        cfg = load_config(
+            config,
+            [f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", "ray.no_progress_timeout_s=600", *overrides],
+        )
         summary = run(cfg)
         return summary, tmp_path / name
 

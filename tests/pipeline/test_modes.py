@@ -9,8 +9,14 @@ from pipeline.audit import audit
 from pipeline.config import CONF_DIR
 
 # 34 prompts at 4 per step: 8 steps, and 2 prompts that may be admitted but never trained on (reported).
-SMALL = ["rollout.total_rollout_steps=34", "actor.ppo_mini_batch_size=4", "rollout.n=4",
-         "data.max_response_length=24", "model.warm_start_steps=10", "data.num_embedded_prompts=200"]
+SMALL = [
+    "rollout.total_rollout_steps=34",
+    "actor.ppo_mini_batch_size=4",
+    "rollout.n=4",
+    "data.max_response_length=24",
+    "model.warm_start_steps=10",
+    "data.num_embedded_prompts=200",
+]
 
 
 def logs(run_dir):
@@ -25,22 +31,29 @@ def logs(run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "s", "k", "bound"),
-    [("on_policy", 0.0, 1, 0), ("stream_off_policy", 0.0, 2, 0), ("async_stale", 0.5, 1, 1),
-     ("async_partial", 0.5, 1, 1)],
+    [
+        ("on_policy", 0.0, 1, 0),
+        ("stream_off_policy", 0.0, 2, 0),
+        ("async_stale", 0.5, 1, 1),
+        ("async_partial", 0.5, 1, 1),
+    ],
 )
 def test_mode_honours_bound_and_consumes_exactly_once(run_job, mode, s, k, bound):
-    summary, run_dir = run_job(*SMALL, f"async_training.trigger_parameter_sync_step={k}",
-                               config=str(CONF_DIR / f"{mode}.yaml"), name=mode)
+    summary, run_dir = run_job(
+        *SMALL, f"async_training.trigger_parameter_sync_step={k}", config=str(CONF_DIR / f"{mode}.yaml"), name=mode
+    )
     samples, trained, admitted = logs(run_dir)
     steps = summary["steps"]
     assert steps == 8
 
     # every consumed sample's lag is within the bound of its config
-    lags = [c - p for c, p in zip(trained["consumed_version"].to_pylist(), trained["param_version"].to_pylist())]
+    consumed_at, oldest = trained["consumed_version"].to_pylist(), trained["param_version"].to_pylist()
+    lags = [c - p for c, p in zip(consumed_at, oldest, strict=True)]
     assert max(lags) <= bound
     if s == 0:  # synchronous modes: every trained token was made by the trainer's current weights
-        for consumed_v, versions in zip(trained["consumed_version"].to_pylist(),
-                                        trained["token_param_version"].to_pylist()):
+        for consumed_v, versions in zip(
+            trained["consumed_version"].to_pylist(), trained["token_param_version"].to_pylist(), strict=True
+        ):
             assert set(versions) <= {consumed_v}
 
     # every admitted prompt consumed exactly once, or still in flight at the end and reported

@@ -14,16 +14,31 @@ def group(pid: str, admitted_version: int, admitted_time: float = 0.0) -> pa.Tab
     row = {name: None for name in SAMPLE_SCHEMA.names}
     rows = []
     for i in range(N):
-        rows.append({**row, "prompt_id": pid, "sample_id": f"{pid}/{i}", "admitted_version": admitted_version,
-                     "admitted_time": admitted_time, "param_version": admitted_version, "reward": 1.0,
-                     "response_ids": [1, 2], "num_tokens": 2})
+        rows.append(
+            {
+                **row,
+                "prompt_id": pid,
+                "sample_id": f"{pid}/{i}",
+                "admitted_version": admitted_version,
+                "admitted_time": admitted_time,
+                "param_version": admitted_version,
+                "reward": 1.0,
+                "response_ids": [1, 2],
+                "num_tokens": 2,
+            }
+        )
     return pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA)
 
 
 def sink_over(blocks, outstanding: dict[str, int], s=0.5, k=1, mb=2, tmp_path=None) -> TrainingSink:
     budget = StalenessBudget(s, k, 1, mb)
-    return TrainingSink(iter(blocks), budget, N, str(tmp_path / "consumed"),
-                        lambda v: sum(1 for ver in outstanding.values() if ver <= v))
+    return TrainingSink(
+        iter(blocks),
+        budget,
+        N,
+        str(tmp_path / "consumed"),
+        lambda v: sum(1 for ver in outstanding.values() if ver <= v),
+    )
 
 
 def ids(step) -> list[str]:

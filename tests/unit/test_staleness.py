@@ -6,8 +6,9 @@ from pipeline.staleness import StalenessBudget, mode_name
 
 
 def budget(s: float, k: int = 1, rb: int = 1, mb: int = 8) -> StalenessBudget:
-    return StalenessBudget(staleness_threshold=s, trigger_parameter_sync_step=k, require_batches=rb,
-                           ppo_mini_batch_size=mb)
+    return StalenessBudget(
+        staleness_threshold=s, trigger_parameter_sync_step=k, require_batches=rb, ppo_mini_batch_size=mb
+    )
 
 
 def test_on_policy_pipeline_admits_exactly_one_step():

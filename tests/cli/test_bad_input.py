@@ -1,0 +1,71 @@
+"""Bad input gets one clear error naming the problem and the fix, through the real `asyncrl` command."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def asyncrl(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args, f"trainer.output_dir={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def one_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("asyncrl:")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    return errors[0]
+
+
+def test_help_is_instant():
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "asyncrl run" in out.stdout
+    assert time.monotonic() - start < 5  # nothing heavy is imported before a command runs
+    assert "torch" not in out.stderr
+
+
+def test_config_typo_names_the_nearest_key(tmp_path):
+    msg = one_error(asyncrl("run", "async_training.staleness_treshold=0.5", tmp_path=tmp_path))
+    assert "staleness_treshold" in msg and "Did you mean 'staleness_threshold'" in msg
+
+
+def test_missing_data_file(tmp_path):
+    msg = one_error(
+        asyncrl("run", f"data.train_files={tmp_path}/nope.parquet", "model.warm_start_steps=0", tmp_path=tmp_path)
+    )
+    assert "nope.parquet does not exist" in msg and "data.train_files" in msg
+
+
+def test_missing_column_names_column_and_file(tmp_path):
+    bad = tmp_path / "no_truth.parquet"
+    pq.write_table(pa.table({"prompt_text": ["reverse: a b ="], "data_source": ["reverse"]}), bad)
+    msg = one_error(asyncrl("run", f"data.train_files={bad}", "model.warm_start_steps=0", tmp_path=tmp_path))
+    assert "['ground_truth']" in msg and str(bad) in msg
+
+
+def test_malformed_row_names_the_row(tmp_path):
+    bad = tmp_path / "bad_row.jsonl"
+    rows = [
+        {"prompt_text": "reverse: a b =", "ground_truth": "b a", "data_source": "reverse"},
+        {"prompt_text": None, "ground_truth": "c", "data_source": "reverse"},
+    ]
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    msg = one_error(asyncrl("run", f"data.train_files={bad}", "model.warm_start_steps=0", tmp_path=tmp_path))
+    assert "row 1" in msg and "'prompt_text'" in msg and str(bad) in msg

@@ -1,0 +1,118 @@
+"""The embedded task: data, tokenizer, verifier, model directory and warm start, all offline and fast."""
+
+import random
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.embedded import DATA_SOURCE, LETTERS, MAX_LETTERS, build_embedded, make_rows
+from stages.verifiers import VERIFIERS, score_reverse
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return build_embedded(tmp_path_factory.mktemp("embedded"), num_prompts=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(task):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(task.model_dir, local_files_only=True)
+
+
+def test_rows_are_deterministic_reversals():
+    rows = make_rows(500, seed=7)
+    assert rows == make_rows(500, seed=7)
+    assert rows != make_rows(500, seed=8)
+    for row in rows:
+        assert row["data_source"] == DATA_SOURCE
+        letters = row["prompt_text"].removeprefix("reverse:").removesuffix("=").split()
+        assert row["ground_truth"].split() == letters[::-1]
+        assert len(set(letters)) == len(letters) and set(letters) <= set(LETTERS)
+
+
+def test_lengths_are_long_tailed():
+    lengths = Counter(len(r["ground_truth"].split()) for r in make_rows(5000, seed=0))
+    assert min(lengths) == 1 and max(lengths) <= MAX_LETTERS
+    share = {k: v / 5000 for k, v in lengths.items()}
+    assert sum(share.get(k, 0) for k in (1, 2, 3)) > 0.3  # most lists are short ...
+    assert sum(share.get(k, 0) for k in range(12, MAX_LETTERS + 1)) > 0.05  # ... and some are long
+    assert all(share[k] >= share[k + 1] * 0.7 for k in range(1, 10))  # decreasing, bar sampling noise
+
+
+def test_tokenizer_round_trips_with_one_token_per_letter(tokenizer):
+    prompt = "reverse: c a f e ="
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == prompt
+    assert len(ids) == 4 + 3  # 'reverse', ':', four letters, ' ='
+    for letter in LETTERS:
+        assert len(tokenizer(" " + letter, add_special_tokens=False)["input_ids"]) == 1
+    answer = tokenizer(" e f a c", add_special_tokens=False)["input_ids"]
+    assert answer == ids[2:6][::-1]  # reversal is token-level
+    assert len(tokenizer) <= 512
+    assert tokenizer.eos_token_id != tokenizer.pad_token_id
+
+
+def test_tokenizer_encodes_anything(tokenizer):
+    text = "Über 3 ünïcode → ok\n\t!"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_verifier_scores():
+    assert VERIFIERS["reverse"] is score_reverse
+    assert score_reverse("e f a c", "e f a c") == 1.0
+    assert score_reverse("  e f a c <|endoftext|>", "e f a c") == 1.0
+    assert score_reverse("e f x c", "e f a c") == 0.5
+    assert 0.0 < score_reverse("e f", "e f a c") < 1.0
+    assert 0.0 < score_reverse("e f a c d", "e f a c") < 1.0
+    assert score_reverse("", "e f a c") == 0.0
+    assert score_reverse("c a f e", "e f a c") == 0.0
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"e f", ["e"], "\x00\ufffd", "<|endoftext|>", "  \n "])
+def test_verifier_never_raises(bad):
+    assert score_reverse(bad, "e f a c") == 0.0
+    assert 0.0 <= score_reverse("e f a c", bad) <= 1.0
+
+
+def test_verifier_stays_in_range():
+    rng = random.Random(0)
+    for _ in range(300):
+        truth = " ".join(rng.sample(LETTERS, rng.randint(1, 6)))
+        response = " ".join(rng.choice(LETTERS + "=") for _ in range(rng.randint(0, 8)))
+        assert 0.0 <= score_reverse(response, truth) <= 1.0
+
+
+def test_build_embedded_gives_a_loadable_model(task, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(task.model_dir, local_files_only=True)
+    cfg = model.config
+    assert cfg.model_type == "qwen2" and not cfg.tie_word_embeddings
+    assert cfg.hidden_size // cfg.num_attention_heads in (32, 64, 80, 96, 112, 128)  # vLLM CPU attention
+    assert cfg.vocab_size == len(tokenizer)
+    assert (cfg.eos_token_id, cfg.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert str(model.dtype) == "torch.float32"
+    assert (task.model_dir / "model.safetensors").exists()
+    table = pq.read_table(task.data_file)
+    assert table.column_names == ["prompt_text", "ground_truth", "data_source"] and table.num_rows == 64
+
+
+def test_build_embedded_is_deterministic(task, tmp_path):
+    again = build_embedded(tmp_path, num_prompts=64, seed=3)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (again.model_dir / name).read_bytes() == (task.model_dir / name).read_bytes()
+    assert pq.read_table(again.data_file).equals(pq.read_table(task.data_file))
+
+
+def test_warm_start_lowers_the_loss_and_saves(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.warmstart import warm_start
+
+    fresh = build_embedded(tmp_path, num_prompts=64, seed=0)
+    stats = warm_start(fresh.model_dir, fresh.data_file, steps=20, lr=2e-3, seed=0, batch_size=8)
+    assert stats["steps"] == 20 and stats["final_loss"] < stats["first_loss"]
+    AutoModelForCausalLM.from_pretrained(fresh.model_dir, local_files_only=True)
