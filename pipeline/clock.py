@@ -109,10 +109,7 @@ class VersionClock:
 
     async def wait_acks(self, seq: int, timeout_s: float) -> list[dict[str, Any]]:
         async with self._changed:
-            ok = await asyncio.wait_for(
-                self._changed.wait_for(lambda: len(self._acks[seq]) >= self.num_replicas), timeout_s
-            )
-            del ok
+            await asyncio.wait_for(self._changed.wait_for(lambda: len(self._acks[seq]) >= self.num_replicas), timeout_s)
             return [self._acks[seq][r] for r in sorted(self._acks[seq])]
 
     async def close(self) -> None:

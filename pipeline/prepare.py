@@ -121,6 +121,7 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=False)
         return False
+    _keep_ray_on_loopback()
     ray.init(
         num_cpus=cfg.ray.num_cpus,
         include_dashboard=False,
@@ -130,6 +131,16 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
         _temp_dir=os.environ.get("ASYNCRL_RAY_TMP"),
     )
     return True
+
+
+def _keep_ray_on_loopback() -> None:
+    """Ray resolves 127.0.0.1 to the host's routable address and then listens on every interface. Its
+    single-machine switch keeps the node, and so every Ray server, on loopback. The switch is read when `ray` is
+    imported, so it is set both for the processes Ray starts (environment) and for this one (the constant)."""
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def prepare(cfg: RunConfig) -> RunContext:

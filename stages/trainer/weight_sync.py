@@ -40,14 +40,20 @@ class GlooWeightSync:
     def open(self, world_size: int) -> dict:
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-        with socket.socket() as s:  # a free loopback port; the store binds it right after
-            s.bind((self.host, 0))
-            port = s.getsockname()[1]
+        # Bind the rendezvous store's socket ourselves: TCPStore alone would listen on every interface.
+        listener = socket.create_server((self.host, 0))
+        port = listener.getsockname()[1]
 
         def join() -> None:
             try:
                 self.group = stateless_init_torch_distributed_process_group(
-                    self.host, port, 0, world_size, backend=self.backend, timeout=timedelta(seconds=600)
+                    self.host,
+                    port,
+                    0,
+                    world_size,
+                    backend=self.backend,
+                    listen_socket=listener,
+                    timeout=timedelta(seconds=600),
                 )
             except BaseException as err:  # noqa: BLE001 - re-raised in wait_open, on the caller's thread
                 self._error = err
