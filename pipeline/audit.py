@@ -68,7 +68,7 @@ def audit(run_dir: str | Path) -> AuditReport:
     if samples is None or consumed is None:
         report.checks.append(Check("logs present", False, f"no samples or no consumption log in {run_dir}"))
         return report
-    joined = consumed.join(samples.select(["sample_id", "param_version"]), "sample_id")
+    joined = consumed.join(samples.select(["sample_id", "param_version", "param_version_end"]), "sample_id")
     report.consumed_samples = consumed.num_rows
     lags = pc.subtract(joined["consumed_version"], joined["param_version"])
     report.max_lag = int(pc.max(lags).as_py()) if len(lags) else 0
@@ -81,6 +81,7 @@ def audit(run_dir: str | Path) -> AuditReport:
         Check(
             "lag <= bound", report.max_lag <= budget.lag_bound, f"max lag {report.max_lag}, bound {budget.lag_bound}"
         ),
+        _partial_span(joined, budget.lag_bound),
         _monotone_versions(samples),
         _exactly_once(consumed),
     ]
@@ -96,6 +97,17 @@ def _monotone_versions(samples: pa.Table) -> Check:
         if versions and (any(b < a for a, b in zip(versions, versions[1:], strict=False)) or versions[0] != oldest):
             bad += 1
     return Check("token versions never decrease", bad == 0, f"{bad} of {samples.num_rows} responses violate it")
+
+
+def _partial_span(joined: pa.Table, bound: int) -> Check:
+    spans = pc.subtract(joined["param_version_end"], joined["param_version"])
+    widest = int(pc.max(spans).as_py()) if len(spans) else 0
+    partial = int(pc.sum(pc.greater(spans, 0)).as_py() or 0)
+    return Check(
+        "partial span <= bound",
+        widest <= bound,
+        f"{partial} trained responses span versions, widest span {widest}, bound {bound}",
+    )
 
 
 def _exactly_once(consumed: pa.Table) -> Check:

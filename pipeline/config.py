@@ -36,6 +36,9 @@ class AsyncTrainingConfig:
     """Mini-batches of `actor.ppo_mini_batch_size` prompts the trainer takes per step."""
     partial_rollout: bool = False
     """Interrupt in-flight generations at a sync and resume them with the new weights (needs staleness > 0)."""
+    partial_rollout_mode: str = "abort"
+    """'abort': resubmit prompt + partial tokens (KV recomputed; verl, AReaL). 'keep': the engine keeps the requests
+    and continues them with the new weights over the old KV cache (PipelineRL)."""
     use_rollout_log_probs: bool = True
     """Use the engine's behaviour logprobs as old_log_prob in the PPO ratio."""
 
@@ -221,6 +224,7 @@ def validate(cfg: RunConfig) -> None:
             "actor.loss_agg_mode must be 'token-mean' or 'seq-mean-token-mean'",
         ),
         (cfg.trainer.monitor in ("jsonl", "null"), "trainer.monitor must be 'jsonl' or 'null'"),
+        (at.partial_rollout_mode in ("abort", "keep"), "async_training.partial_rollout_mode must be 'abort' or 'keep'"),
         (
             cfg.rollout.total_rollout_steps >= at.require_batches * cfg.actor.ppo_mini_batch_size,
             "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)",

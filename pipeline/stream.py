@@ -53,7 +53,10 @@ def build_stream(cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir
             "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
             "kv_cache_gb": ro.kv_cache_gb,
             "seed": cfg.trainer.seed,
-            "partial_rollout": cfg.async_training.partial_rollout and cfg.async_training.staleness_threshold > 0,
+            # verl: partial rollout only takes effect with staleness; otherwise in-flight requests drain at a sync
+            "pause_mode": cfg.async_training.partial_rollout_mode
+            if cfg.async_training.partial_rollout and cfg.async_training.staleness_threshold > 0
+            else "wait",
         },
     )
     reward_cls, reward_kwargs = _construct(cfg.stages.reward, "stages.reward", {})

@@ -17,7 +17,9 @@ finish with the old weights and new ones queue until the new weights are in (ver
 synchronous modes, where nothing is in flight). With partial rollout it pauses in `abort` mode: each in-flight
 request ends with its partial tokens and logprobs, and is resubmitted at once as prompt + partial tokens with the
 remaining token budget; the paused engine queues it, so it continues with the new weights (KV recomputed, as in
-verl and AReaL). No token is generated twice and none is lost.
+verl and AReaL). In `keep` mode the engine freezes its requests and continues them after the update over the KV
+cache the old weights computed (PipelineRL's in-flight update). Either way no token is generated twice, none is
+lost, and the engine's version spans say which weights sampled each token.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class VLLMGenerate:
         kv_cache_gb: int = 1,
         dtype: str = "float32",
         seed: int = 0,
-        partial_rollout: bool = False,
+        pause_mode: str = "wait",
+        ignore_eos: bool = False,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -73,8 +76,10 @@ class VLLMGenerate:
         self.replica = ray.get(self.clock.register_replica.remote())
         self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
         self.eos = _eos_token_id(model_dir)
-        # Partial rollout interrupts in-flight requests at a sync; otherwise they drain with the old weights.
-        self.pause_mode = "abort" if partial_rollout else "wait"
+        if pause_mode not in ("wait", "abort", "keep"):
+            raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', not {pause_mode!r}")
+        self.pause_mode = pause_mode  # what a sync does to in-flight requests (module docstring)
+        self.ignore_eos = ignore_eos  # fixed-length responses, for benchmarks and tests
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.vocab_size = len(self.tokenizer)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
@@ -162,8 +167,9 @@ class VLLMGenerate:
             temperature=self.temperature,
             top_p=self.top_p,
             logprobs=0,  # the sampled token's logprob: the behaviour policy
-            stop_token_ids=[self.eos],  # the engine has no tokenizer, so it does not know EOS by itself
+            stop_token_ids=[] if self.ignore_eos else [self.eos],  # the engine has no tokenizer: tell it EOS
             output_kind=RequestOutputKind.DELTA,
+            ignore_eos=self.ignore_eos,
         )
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -192,7 +198,8 @@ class VLLMGenerate:
 
     async def _sync(self, msg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.monotonic()
-        await self.engine.pause_generation(mode=self.pause_mode, clear_cache=True)
+        # `keep` continues the frozen requests over their KV cache, which must therefore survive the pause.
+        await self.engine.pause_generation(mode=self.pause_mode, clear_cache=self.pause_mode != "keep")
         t1 = time.monotonic()
         await self.engine.collective_rpc("receive_weights", args=(msg["names"], msg["shapes"], msg["dtypes"]))
         await self.engine.update_weight_version(str(msg["version"]))

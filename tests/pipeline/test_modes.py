@@ -30,17 +30,22 @@ def logs(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "s", "k", "bound"),
+    ("mode", "s", "k", "bound", "extra"),
     [
-        ("on_policy", 0.0, 1, 0),
-        ("stream_off_policy", 0.0, 2, 0),
-        ("async_stale", 0.5, 1, 1),
-        ("async_partial", 0.5, 1, 1),
+        ("on_policy", 0.0, 1, 0, []),
+        ("stream_off_policy", 0.0, 2, 0, []),
+        ("async_stale", 0.5, 1, 1, []),
+        ("async_partial", 0.5, 1, 1, ["async_training.partial_rollout_mode=abort"]),
+        ("async_partial", 0.5, 1, 1, ["async_training.partial_rollout_mode=keep"]),
     ],
 )
-def test_mode_honours_bound_and_consumes_exactly_once(run_job, mode, s, k, bound):
+def test_mode_honours_bound_and_consumes_exactly_once(run_job, mode, s, k, bound, extra):
     summary, run_dir = run_job(
-        *SMALL, f"async_training.trigger_parameter_sync_step={k}", config=str(CONF_DIR / f"{mode}.yaml"), name=mode
+        *SMALL,
+        f"async_training.trigger_parameter_sync_step={k}",
+        *extra,
+        config=str(CONF_DIR / f"{mode}.yaml"),
+        name=mode + "".join("-" + e.rsplit("=", 1)[1] for e in extra),
     )
     samples, trained, admitted = logs(run_dir)
     steps = summary["steps"]
