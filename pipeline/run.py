@@ -18,7 +18,7 @@ from pipeline.monitor import make_monitor
 from pipeline.prepare import RunContext, prepare
 from pipeline.staleness import StalenessBudget, mode_name
 from pipeline.stream import build_stream, configure_data_context
-from pipeline.summary import finish_run, step_metrics
+from pipeline.summary import FullyAsyncCounters, finish_run, step_metrics
 from stages.sink import TrainingSink
 
 
@@ -53,7 +53,7 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         f"run dir {ctx.run_dir}",
         flush=True,
     )
-    version, connected, started = 0, False, time.monotonic()
+    version, connected, started, counters = 0, False, time.monotonic(), FullyAsyncCounters()
     bar = tqdm(range(1, total_steps + 1), desc="train steps", unit="step", dynamic_ncols=True)
     for step in bar:
         batch = sink.next_step(version, steps_left_after_this=k - 1 - (step - 1) % k)
@@ -62,15 +62,17 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         metrics = ray.get(trainer.train_step.remote(batch.minibatches(cfg.actor.ppo_mini_batch_size)))
         sink.record(batch, version, step)
         ray.get(clock.consumed.remote([g["prompt_id"][0].as_py() for g in batch.groups]))
-        metrics.update(step_metrics(batch, version, budget, ray.get(clock.stats.remote())))
+        metrics.update(step_metrics(batch, version, ray.get(clock.stats.remote()), metrics["timing/train_s"]))
+        metrics.update(counters.update(batch.table, version))
         if step % k == 0:
             if not connected:  # the replicas exist once the stream runs; join them to the group once
                 sync.connect(trainer, clock, cfg.rollout.num_replicas)
                 connected = True
             version += 1
             metrics.update(sync.push(trainer, clock, version))
+            counters.new_window()
         metrics["timing/elapsed_s"] = time.monotonic() - started
         monitor.log(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", version=version, refresh=False)
     monitor.close()
-    return finish_run(ctx, clock, sink, budget)
+    return finish_run(ctx, clock, sink)

@@ -12,11 +12,42 @@ import pyarrow.parquet as pq
 import ray
 
 from pipeline.audit import audit
-from pipeline.staleness import StalenessBudget
 from schemas import ADMITTED_SCHEMA
 
 
-def step_metrics(batch, version: int, budget: StalenessBudget, clock_stats: dict[str, Any]) -> dict[str, float]:
+class FullyAsyncCounters:
+    """verl's fully_async/* metrics: stale counts over the whole run, partial-rollout counts per sync window."""
+
+    def __init__(self) -> None:
+        self.stale_samples = 0  # prompts (groups) with at least one stale trajectory, cumulative
+        self.stale_trajectories = 0
+        self.new_window()
+
+    def new_window(self) -> None:
+        """Called at each sync: verl reports partial counts between two syncs."""
+        self.window_trajectories = 0
+        self.partial = 0
+        self.max_span = 0
+
+    def update(self, table, version: int) -> dict[str, float]:
+        lags = version - np.asarray(table["param_version"].to_pylist())
+        spans = np.asarray(table["param_version_end"].to_pylist()) - np.asarray(table["param_version"].to_pylist())
+        stale_prompts = {pid for pid, lag in zip(table["prompt_id"].to_pylist(), lags, strict=True) if lag > 0}
+        self.stale_samples += len(stale_prompts)
+        self.stale_trajectories += int((lags > 0).sum())
+        self.window_trajectories += len(spans)
+        self.partial += int((spans > 0).sum())
+        self.max_span = max(self.max_span, int(spans.max(initial=0)))
+        return {
+            "fully_async/count/stale_samples_processed": float(self.stale_samples),
+            "fully_async/count/stale_trajectory_processed": float(self.stale_trajectories),
+            "fully_async/partial/total_partial_num": float(self.partial),
+            "fully_async/partial/partial_ratio": self.partial / max(self.window_trajectories, 1),
+            "fully_async/partial/max_partial_span": float(self.max_span),
+        }
+
+
+def step_metrics(batch, version: int, clock_stats: dict[str, Any], train_s: float) -> dict[str, float]:
     table = batch.table
     lags = version - np.asarray(table["param_version"].to_pylist())
     lengths = np.asarray(table["num_tokens"].to_pylist())
@@ -28,8 +59,8 @@ def step_metrics(batch, version: int, budget: StalenessBudget, clock_stats: dict
         "response_length/clip_ratio": float(np.mean([r == "length" for r in table["finish_reason"].to_pylist()])),
         "staleness/max_lag": float(lags.max()),
         "staleness/mean_lag": float(lags.mean()),
-        "fully_async/count/stale_trajectories": float((lags > 0).sum()),
         "trainer/wait_s": batch.wait_s,
+        "trainer/idle_ratio": batch.wait_s / max(batch.wait_s + train_s, 1e-9),
         "trainer/version": float(version),
         "gate/admitted_total": float(clock_stats["admitted_total"]),
         "gate/outstanding": float(clock_stats["outstanding"]),
@@ -67,7 +98,7 @@ def summarize(run_dir: Path, report) -> dict[str, Any]:
     }
 
 
-def finish_run(ctx, clock, sink, budget: StalenessBudget) -> dict[str, Any]:
+def finish_run(ctx, clock, sink) -> dict[str, Any]:
     """Write the gate's ledger, stop Ray if we started it, audit the logs and print the summary."""
     ray.get(clock.close.remote())
     admissions = ray.get(clock.admissions.remote())
