@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,7 +28,6 @@ class RunContext:
     namespace: str
     started_ray: bool = False
     clock_handle: tuple[str, str] = ("", "")
-    actors: list = field(default_factory=list)
 
     def start_clock(self, budget: StalenessBudget):
         name = "version_clock"
@@ -38,7 +37,6 @@ class RunContext:
             .remote(budget, self.cfg.rollout.num_replicas)
         )
         self.clock_handle = (name, self.namespace)
-        self.actors.append(clock)
         return clock
 
     def start_trainer(self):
@@ -62,7 +60,6 @@ class RunContext:
                 torch_threads=t.torch_threads,
             )
         )
-        self.actors.append(trainer)
         return trainer
 
     def shutdown(self) -> None:
