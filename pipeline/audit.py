@@ -51,11 +51,7 @@ def read_dir(path: Path) -> pa.Table | None:
 
 
 def budget_of(run_dir: Path) -> StalenessBudget:
-    cfg = OmegaConf.load(run_dir / "config.yaml")
-    at = cfg.async_training
-    return StalenessBudget(
-        at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches, cfg.actor.ppo_mini_batch_size
-    )
+    return StalenessBudget.from_config(OmegaConf.load(run_dir / "config.yaml"))
 
 
 def audit(run_dir: str | Path) -> AuditReport:

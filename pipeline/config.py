@@ -248,8 +248,8 @@ def import_target(target: str, key: str) -> type:
 def stage_kwargs(spec: dict[str, Any], key: str) -> tuple[str, dict[str, Any]]:
     """Split a stage spec into its target and constructor keywords, checked against the signature.
 
-    Only the module docstring-level names are checked here; the class is imported lazily by the wiring so
-    that `asyncrl --help` stays instant. A keyword the target does not take names its nearest spelling.
+    The class itself is imported later, by the wiring (check_signature), so that loading a config imports no
+    stage code and `asyncrl --help` stays instant.
     """
     if not isinstance(spec, dict) or "_target_" not in spec:
         raise ConfigError(f"{key} needs a '_target_' naming the stage class (e.g. stages.reward.Reward).")

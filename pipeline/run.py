@@ -32,9 +32,7 @@ def run(cfg: RunConfig) -> dict:
 
 def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
     at = cfg.async_training
-    budget = StalenessBudget(
-        at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches, cfg.actor.ppo_mini_batch_size
-    )
+    budget = StalenessBudget.from_config(cfg)
     clock = ctx.start_clock(budget)
     trainer = ctx.start_trainer()
     configure_data_context(cfg.ray.no_progress_timeout_s)

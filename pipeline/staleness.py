@@ -33,6 +33,14 @@ class StalenessBudget:
     require_batches: int
     ppo_mini_batch_size: int
 
+    @classmethod
+    def from_config(cls, cfg) -> StalenessBudget:
+        """From a run config (the typed RunConfig or the YAML a run directory keeps): verl's key names."""
+        at = cfg.async_training
+        return cls(
+            at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches, cfg.actor.ppo_mini_batch_size
+        )
+
     @property
     def required_samples(self) -> int:
         """Prompts per trainer step."""
