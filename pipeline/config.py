@@ -41,6 +41,31 @@ class AsyncTrainingConfig:
     and continues them with the new weights over the old KV cache (PipelineRL)."""
     use_rollout_log_probs: bool = True
     """Use the engine's behaviour logprobs as old_log_prob in the PPO ratio."""
+    compute_prox_log_prob: bool = False
+    """Recompute logprobs with the weights at the start of each step and use them as old_log_prob (decoupled PPO);
+    needed by `algorithm.rollout_correction`."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = None
+    """Importance weights proximal / behaviour: 'token', 'sequence' or null (off)."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation of the importance weights (TIS)."""
+    rollout_rs: str | None = None
+    """Reject whole responses by their ratio: 'sequence' (product), 'geometric' (per-token mean) or null (off)."""
+    rollout_rs_threshold: float | None = None
+    """Upper bound of the accepted ratio (required with rollout_rs)."""
+    rollout_rs_threshold_lower: float | None = None
+    """Lower bound of the accepted ratio; null means 1 / rollout_rs_threshold."""
+    rollout_token_veto_threshold: float | None = None
+    """Reject a response when any token's ratio falls below this; null is off."""
+
+
+@dataclass
+class AlgorithmConfig:
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """verl's `algorithm.rollout_correction.*`: off-policy correction between engine and trainer."""
 
 
 @dataclass
@@ -151,6 +176,7 @@ class StagesConfig:
 @dataclass
 class RunConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -230,11 +256,27 @@ def validate(cfg: RunConfig) -> None:
             "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)",
         ),
     ]
-    for ok, message in checks:
+    for ok, message in checks + _correction_checks(cfg):
         if not ok:
             raise ConfigError(message)
     for name in ("generate", "reward", "advantage"):
         stage_kwargs(getattr(cfg.stages, name), f"stages.{name}")
+
+
+def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    active = any(x is not None for x in (rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold))
+    recompute = cfg.async_training.compute_prox_log_prob or not cfg.async_training.use_rollout_log_probs
+    return [
+        (rc.rollout_is in (None, "token", "sequence"), f"{key}.rollout_is must be 'token', 'sequence' or null"),
+        (rc.rollout_is_threshold > 0, f"{key}.rollout_is_threshold must be > 0"),
+        (rc.rollout_rs in (None, "sequence", "geometric"), f"{key}.rollout_rs must be 'sequence', 'geometric' or null"),
+        (rc.rollout_rs is None or rc.rollout_rs_threshold is not None, f"{key}.rollout_rs needs rollout_rs_threshold"),
+        (
+            not active or recompute,
+            f"{key} compares trainer and engine logprobs: set async_training.compute_prox_log_prob=true",
+        ),
+    ]
 
 
 def import_target(target: str, key: str) -> type:

@@ -5,6 +5,7 @@ Input errors (missing model or data, malformed rows) surface here, before Ray st
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ class RunContext:
                 grad_clip=a.grad_clip,
                 micro_batch_size=a.micro_batch_size,
                 use_rollout_log_probs=self.cfg.async_training.use_rollout_log_probs,
+                compute_prox_log_prob=self.cfg.async_training.compute_prox_log_prob,
+                rollout_correction=dataclasses.asdict(self.cfg.algorithm.rollout_correction),
                 seed=t.seed,
                 torch_threads=t.torch_threads,
             )

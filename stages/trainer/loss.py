@@ -29,12 +29,16 @@ def ppo_clip_loss(
     clip_high: float,
     agg: str,
     denominator: float,
+    is_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
+    """`is_weights` (B, T), detached: rollout-correction importance weights on each token's loss (None = 1)."""
     adv = advantages.unsqueeze(-1)  # (B, 1): one advantage per trajectory, broadcast over its tokens
     ratio = torch.exp(logp - old_logp)  # (B, T)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped) * mask  # (B, T)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     if agg == "token-mean":
         loss = per_token.sum() / denominator
     elif agg == "seq-mean-token-mean":

@@ -3,9 +3,13 @@
 It runs in one long-lived Ray actor: the driver hands it each step's samples (already grouped by the training
 sink) and asks it to push its weights to the engines every `trigger_parameter_sync_step` steps. Like verl, one
 step is `require_batches` mini-batches of `ppo_mini_batch_size` prompts, one optimizer update each; a
-mini-batch is split into micro-batches only to bound memory. The behaviour logprobs from the engine are the
-old logprobs of the PPO ratio (`use_rollout_log_probs`); otherwise the trainer recomputes them with the weights
-at the start of the step.
+mini-batch is split into micro-batches only to bound memory.
+
+The old logprobs of the PPO ratio are, as in verl:
+- the engine's behaviour logprobs (`use_rollout_log_probs`, the default);
+- or, with `compute_prox_log_prob` (or `use_rollout_log_probs=false`), the proximal logprobs: recomputed with the
+  weights at the start of the step, for every mini-batch before the first update. Rollout correction
+  (stages/trainer/correction.py) then weighs and masks samples by proximal / behaviour: decoupled PPO.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from stages.trainer.correction import CorrectionSettings, finalize_stats, merge_stats, rollout_correction
 from stages.trainer.loss import ppo_clip_loss
 from stages.trainer.weight_sync import GlooWeightSync
 
@@ -35,6 +40,8 @@ class TorchTrainer:
         grad_clip: float = 1.0,
         micro_batch_size: int = 32,
         use_rollout_log_probs: bool = True,
+        compute_prox_log_prob: bool = False,
+        rollout_correction: dict[str, Any] | None = None,
         seed: int = 0,
         torch_threads: int = 1,
     ) -> None:
@@ -47,7 +54,10 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.clip = (clip_ratio_low, clip_ratio_high)
         self.agg, self.grad_clip, self.micro = loss_agg_mode, grad_clip, micro_batch_size
-        self.use_rollout_log_probs = use_rollout_log_probs
+        self.correction = CorrectionSettings(**(rollout_correction or {}))
+        self.recompute = compute_prox_log_prob or not use_rollout_log_probs
+        if self.correction.active and not self.recompute:
+            raise ValueError("rollout correction compares proximal and behaviour logprobs: set compute_prox_log_prob")
         self.pad = self.model.config.pad_token_id or 0
         self.sync = GlooWeightSync()
 
@@ -56,19 +66,23 @@ class TorchTrainer:
         """One trainer step: an optimizer update per mini-batch. Each mini-batch maps column -> list of rows."""
         start = time.monotonic()
         totals: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0}
-        tokens = 0
+        tokens, correction = 0, {}
         for mb in minibatches:
             missing = [c for c in _NEEDS if c not in mb]
             if missing:
                 raise KeyError(f"TorchTrainer needs columns {missing}")
-            if not self.use_rollout_log_probs:
-                mb = {**mb, "response_logprobs": self.logprobs(mb["prompt_ids"], mb["response_ids"])}
-            stats = self._update(mb)
+        # The proximal anchor is the weights at the start of the step: all of it before the first update.
+        anchors: list = [None] * len(minibatches)
+        if self.recompute:
+            anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"]) for mb in minibatches]
+        for mb, anchor in zip(minibatches, anchors, strict=True):
+            stats = self._update(mb, anchor, correction)
             for key in totals:
                 totals[key] += stats[key]
             tokens += stats["tokens"]
         n = len(minibatches)
-        return {
+        extra = finalize_stats(correction) if correction else {}
+        return extra | {
             "train/loss": totals["loss"] / n,
             "train/grad_norm": totals["grad_norm"] / n,
             "train/pg_clipfrac": totals["clipped"] / max(tokens, 1),
@@ -78,9 +92,12 @@ class TorchTrainer:
             "timing/train_s": time.monotonic() - start,
         }
 
-    def _update(self, mb: dict[str, list]) -> dict[str, float]:
+    def _update(self, mb: dict[str, list], prox: list | None, correction: dict[str, float]) -> dict[str, float]:
         rows = len(mb["response_ids"])
         masks = [np.asarray(m, dtype=np.float32) for m in mb["response_mask"]]
+        old_rows, weights = mb["response_logprobs"], None
+        if prox is not None:  # decoupled PPO: the ratio is against the proximal policy, IS against the behaviour
+            old_rows, masks, weights = prox, *self._correct(prox, mb["response_logprobs"], masks, correction)
         num_tokens = float(sum(m.sum() for m in masks))
         denominator = max(num_tokens, 1.0) if self.agg == "token-mean" else float(rows)
         self.optimizer.zero_grad(set_to_none=True)
@@ -88,10 +105,11 @@ class TorchTrainer:
         for lo in range(0, rows, self.micro):
             sl = slice(lo, lo + self.micro)
             logp, mask = self._token_logprobs(mb["prompt_ids"][sl], mb["response_ids"][sl])
-            old = _pad([np.asarray(x, np.float32) for x in mb["response_logprobs"][sl]], logp.shape[1])
+            old = _pad([np.asarray(x, np.float32) for x in old_rows[sl]], logp.shape[1])
             mask = mask * _pad(masks[sl], logp.shape[1])
             adv = torch.tensor(np.asarray(mb["advantage"][sl], np.float32))
-            res = ppo_clip_loss(logp, old, adv, mask, *self.clip, self.agg, denominator)
+            w = None if weights is None else weights[sl, : logp.shape[1]]
+            res = ppo_clip_loss(logp, old, adv, mask, *self.clip, self.agg, denominator, w)
             res.loss.backward()
             out["loss"] += res.loss.detach().item()
             out["clipped"] += res.clipped_tokens
@@ -100,6 +118,15 @@ class TorchTrainer:
         out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
         self.optimizer.step()
         return out
+
+    def _correct(self, prox: list, behaviour: list, masks: list, totals: dict) -> tuple[list, torch.Tensor | None]:
+        """Rejection-masked token masks and the IS weights (None without `rollout_is`) of one mini-batch."""
+        width = max((len(m) for m in masks), default=0)
+        as_rows = [np.asarray(x, np.float32) for x in prox], [np.asarray(x, np.float32) for x in behaviour]
+        corr = rollout_correction(_pad(as_rows[0], width), _pad(as_rows[1], width), _pad(masks, width), self.correction)
+        merge_stats(totals, corr.stats)
+        kept = [corr.mask[i, : len(m)].numpy() for i, m in enumerate(masks)]
+        return kept, corr.weights if self.correction.rollout_is else None
 
     def _token_logprobs(self, prompts: list, responses: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprob of each response token under the current weights: (B, T) values and (B, T) validity mask."""
@@ -122,9 +149,13 @@ class TorchTrainer:
 
     @torch.no_grad()
     def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
-        """Recompute response-token logprobs with the current weights (tests compare them with the engine's)."""
-        logp, _ = self._token_logprobs(prompts, responses)
-        return [logp[i, : len(r)].tolist() for i, r in enumerate(responses)]
+        """Response-token logprobs under the current weights, in micro-batches (proximal anchors; tests)."""
+        out: list[list[float]] = []
+        for lo in range(0, len(responses), self.micro):
+            part = responses[lo : lo + self.micro]
+            logp, _ = self._token_logprobs(prompts[lo : lo + self.micro], part)
+            out += [logp[i, : len(r)].tolist() for i, r in enumerate(part)]
+        return out
 
     # --- weight sync -------------------------------------------------------------------------------------------
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
