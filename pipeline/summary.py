@@ -78,6 +78,7 @@ def summarize(run_dir: Path, report) -> dict[str, Any]:
     rewards = [r["reward/mean"] for r in rows]
     tenth = max(1, len(rewards) // 10)
     syncs = [r["sync/latency_s"] for r in rows if "sync/latency_s" in r]
+    rollouter_idle = [r["rollouter/idle_ratio"] for r in rows if "rollouter/idle_ratio" in r]
     waits = sum(r["trainer/wait_s"] for r in rows)
     trains = sum(r["timing/train_s"] for r in rows)
     return {
@@ -93,6 +94,7 @@ def summarize(run_dir: Path, report) -> dict[str, Any]:
         "syncs": len(syncs),
         "sync_mean_s": float(np.mean(syncs)) if syncs else 0.0,
         "trainer_idle_ratio": waits / max(waits + trains, 1e-9),
+        "rollouter_idle_ratio": float(np.mean(rollouter_idle)) if rollouter_idle else float("nan"),  # per sync window
         "wall_s": rows[-1]["timing/elapsed_s"] if rows else 0.0,
         "audit_ok": report.ok,
     }
@@ -135,7 +137,8 @@ def format_summary(s: dict[str, Any], report) -> str:
             f"({s['prompts_in_flight_at_end']} still in flight at the end)",
             f"reward {s['reward_first']:.3f} (first 10% of steps) -> {s['reward_last']:.3f} (last 10%)",
             f"max lag {s['max_lag']} (bound {s['lag_bound']}), syncs {s['syncs']}, mean sync {s['sync_mean_s']:.3f}s, "
-            f"trainer idle {s['trainer_idle_ratio']:.2f}, wall {s['wall_s']:.0f}s",
+            f"trainer idle {s['trainer_idle_ratio']:.2f}, rollouter idle {s['rollouter_idle_ratio']:.2f}, "
+            f"wall {s['wall_s']:.0f}s",
             report.table(),
             f"audit: {'PASS' if report.ok else 'FAIL'}  ({s['run_dir']})",
         ]

@@ -12,6 +12,8 @@ import time
 
 import ray
 
+from stages.engine_busy import idle_ratio
+
 TIMEOUT_S = 600.0
 
 
@@ -41,4 +43,5 @@ def push(trainer, clock, version: int) -> dict[str, float]:
         "sync/pause_s": max(a["pause_s"] for a in acks),
         "sync/transfer_s": max(a["transfer_s"] for a in acks),
         "sync/resume_s": max(a["resume_s"] for a in acks),
+        "rollouter/idle_ratio": idle_ratio(acks),  # over the window since the previous sync, every engine
     }

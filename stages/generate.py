@@ -38,6 +38,7 @@ import ray
 
 from schemas import SAMPLE_SCHEMA, require_columns
 from schemas.sample import GATE_COLUMNS, GENERATE_COLUMNS, PROMPT_COLUMNS
+from stages.engine_busy import EngineBusy
 
 _IN_COLUMNS = [c.name for c in PROMPT_COLUMNS + GATE_COLUMNS]
 _OUT_SCHEMA = pa.schema([SAMPLE_SCHEMA.field(c) for c in _IN_COLUMNS + [c.name for c in GENERATE_COLUMNS]])
@@ -87,6 +88,7 @@ class VLLMGenerate:
         threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
         engine_kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=seed + self.replica)
         self.engine = self._run(self._start_engine(engine_kwargs))
+        self.busy = EngineBusy()  # rollouter/idle_ratio: touched only on the engine loop
         self.control = asyncio.run_coroutine_threadsafe(self._control_loop(), self.loop)
 
     def _run(self, coro: Any) -> Any:
@@ -175,10 +177,14 @@ class VLLMGenerate:
         logprobs: list[float] = []
         final = None
         request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
-            final = out.outputs[0]
-            tokens.extend(final.token_ids)
-            logprobs.extend(step[tok].logprob for step, tok in zip(final.logprobs, final.token_ids, strict=True))
+        self.busy.request_started()
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+                final = out.outputs[0]
+                tokens.extend(final.token_ids)
+                logprobs.extend(step[tok].logprob for step, tok in zip(final.logprobs, final.token_ids, strict=True))
+        finally:
+            self.busy.request_finished()
         return tokens, logprobs, final.weight_versions, final.finish_reason
 
     # --- weight syncs, relayed by the VersionClock -----------------------------------------------------------
@@ -200,12 +206,15 @@ class VLLMGenerate:
         t0 = time.monotonic()
         # `keep` continues the frozen requests over their KV cache, which must therefore survive the pause.
         await self.engine.pause_generation(mode=self.pause_mode, clear_cache=self.pause_mode != "keep")
+        self.busy.pause()  # after the drain: in `wait` mode the engine works until pause_generation returns
         t1 = time.monotonic()
         await self.engine.collective_rpc("receive_weights", args=(msg["names"], msg["shapes"], msg["dtypes"]))
         await self.engine.update_weight_version(str(msg["version"]))
         t2 = time.monotonic()
         await self.engine.resume_generation()
-        return {"replica": self.replica, "pause_s": t1 - t0, "transfer_s": t2 - t1, "resume_s": time.monotonic() - t2}
+        self.busy.resume()
+        times = {"pause_s": t1 - t0, "transfer_s": t2 - t1, "resume_s": time.monotonic() - t2}
+        return {"replica": self.replica, **times, **self.busy.report()}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

