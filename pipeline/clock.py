@@ -17,15 +17,19 @@ from pipeline.staleness import StalenessBudget
 
 
 class VersionClock:
-    def __init__(self, budget: StalenessBudget, num_replicas: int) -> None:
+    def __init__(
+        self, budget: StalenessBudget, num_replicas: int, version: int = 0, prior: list[tuple[str, int, float]] = ()
+    ) -> None:
+        """`version` and `prior` (admissions of prompts consumed before a checkpoint) continue a resumed run."""
         self.budget = budget
         self.num_replicas = num_replicas
-        self.version = 0
+        self.version = version
         self.admitted_in_version = 0  # verl's staleness_samples: admitted this version + carried over
         self.carried_over = 0
         self.paused = False
         self.closed = False
-        self.ledger: dict[str, tuple[int, float]] = {}  # prompt_id -> (admitted_version, admitted_time)
+        # prompt_id -> (admitted_version, admitted_time); a prior entry can never be admitted again
+        self.ledger: dict[str, tuple[int, float]] = {pid: (v, t) for pid, v, t in prior}
         self.outstanding: dict[str, int] = {}  # admitted, not yet consumed: prompt_id -> admitted_version
         self.gate_blocked_s = 0.0
         self._changed = asyncio.Condition()
@@ -133,5 +137,6 @@ class VersionClock:
             "gate_blocked_s": self.gate_blocked_s,
         }
 
-    async def admissions(self) -> list[tuple[str, int, float]]:
-        return [(pid, v, t) for pid, (v, t) in self.ledger.items()]
+    async def admissions(self, consumed_only: bool = False) -> list[tuple[str, int, float]]:
+        """The ledger; with `consumed_only`, the data cursor of a checkpoint (everything not outstanding)."""
+        return [(p, v, t) for p, (v, t) in self.ledger.items() if not (consumed_only and p in self.outstanding)]

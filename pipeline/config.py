@@ -146,6 +146,10 @@ class TrainerConfig:
     """Seed for model init, warm start and sampling."""
     torch_threads: int = 1
     """Intra-op threads of the trainer process."""
+    save_freq: int = -1
+    """Checkpoint every this many steps (a multiple of trigger_parameter_sync_step); -1 never."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (any fsspec URL); empty means <run_dir>/checkpoints."""
 
 
 @dataclass
@@ -184,6 +188,8 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
+    resume: bool = False
+    """Continue the run named by trainer.run_name from its latest checkpoint."""
 
 
 class ConfigError(ValueError):
@@ -251,6 +257,13 @@ def validate(cfg: RunConfig) -> None:
         ),
         (cfg.trainer.monitor in ("jsonl", "null"), "trainer.monitor must be 'jsonl' or 'null'"),
         (at.partial_rollout_mode in ("abort", "keep"), "async_training.partial_rollout_mode must be 'abort' or 'keep'"),
+        (
+            cfg.trainer.save_freq == -1
+            or (cfg.trainer.save_freq > 0 and cfg.trainer.save_freq % at.trigger_parameter_sync_step == 0),
+            "trainer.save_freq must be -1 or a positive multiple of async_training.trigger_parameter_sync_step "
+            "(a checkpoint is taken at a weight sync, so the engines can resume from exactly those weights)",
+        ),
+        (not cfg.resume or bool(cfg.trainer.run_name), "resume=true needs trainer.run_name naming the run to continue"),
         (
             cfg.rollout.total_rollout_steps >= at.require_batches * cfg.actor.ppo_mini_batch_size,
             "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)",

@@ -14,6 +14,8 @@ from pathlib import Path
 import pyarrow as pa
 import ray
 
+from pipeline import checkpoint
+from pipeline.checkpoint import Checkpoint
 from pipeline.clock import VersionClock
 from pipeline.config import RunConfig, to_yaml
 from pipeline.source import PromptDataError, admission_blocks, load_prompts
@@ -29,16 +31,36 @@ class RunContext:
     namespace: str
     started_ray: bool = False
     clock_handle: tuple[str, str] = ("", "")
+    resumed: Checkpoint | None = None  # the checkpoint this attempt continues from
+    optimizer_state: Path | None = None
+
+    @property
+    def start_step(self) -> int:
+        return self.resumed.step if self.resumed else 0
+
+    @property
+    def start_version(self) -> int:
+        return self.resumed.version if self.resumed else 0
+
+    @property
+    def checkpoint_root(self) -> str:
+        return checkpoint.root_of(self.cfg.trainer.checkpoint_dir, self.run_dir)
 
     def start_clock(self, budget: StalenessBudget):
         name = "version_clock"
         clock = (
             ray.remote(VersionClock)
             .options(name=name, namespace=self.namespace, num_cpus=0, max_concurrency=1000)
-            .remote(budget, self.cfg.rollout.num_replicas)
+            .remote(budget, self.cfg.rollout.num_replicas, self.start_version, self._prior_admissions())
         )
         self.clock_handle = (name, self.namespace)
         return clock
+
+    def _prior_admissions(self) -> list[tuple[str, int, float]]:
+        if self.resumed is None:
+            return []
+        ledger = self.resumed.ledger
+        return list(zip(*(ledger[c].to_pylist() for c in ledger.column_names), strict=True))
 
     def start_trainer(self):
         from stages.trainer.torch_backend import TorchTrainer
@@ -61,6 +83,7 @@ class RunContext:
                 rollout_correction=dataclasses.asdict(self.cfg.algorithm.rollout_correction),
                 seed=t.seed,
                 torch_threads=t.torch_threads,
+                optimizer_state=str(self.optimizer_state) if self.optimizer_state else None,
             )
         )
         return trainer
@@ -123,6 +146,7 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
         return False
     _keep_ray_on_loopback()
     ray.init(
+        address="local",  # a new local instance: never join a `ray start` cluster found on this machine
         num_cpus=cfg.ray.num_cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
@@ -147,9 +171,27 @@ def prepare(cfg: RunConfig) -> RunContext:
     from transformers import AutoTokenizer
 
     run_dir = make_run_dir(cfg)
-    model_dir, data_file = prepare_model(cfg, run_dir)
+    resumed, optimizer_state = None, None
+    if cfg.resume:
+        resumed, (model_dir, optimizer_state), data_file = _resume(cfg, run_dir)
+    else:
+        model_dir, data_file = prepare_model(cfg, run_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length)
-    blocks = admission_blocks(prompts, cfg.rollout.total_rollout_steps, cfg.rollout.prompts_per_call, cfg.data.seed)
+    skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()
+    blocks = admission_blocks(
+        prompts, cfg.rollout.total_rollout_steps, cfg.rollout.prompts_per_call, cfg.data.seed, skip
+    )
     started = start_ray(cfg, run_dir)
-    return RunContext(cfg, run_dir, model_dir, blocks, namespace=f"asyncrl-{run_dir.name}", started_ray=started)
+    ctx = RunContext(cfg, run_dir, model_dir, blocks, namespace=f"asyncrl-{run_dir.name}", started_ray=started)
+    ctx.resumed, ctx.optimizer_state = resumed, optimizer_state
+    return ctx
+
+
+def _resume(cfg: RunConfig, run_dir: Path) -> tuple[Checkpoint, tuple[Path, Path], str]:
+    """The latest checkpoint, its local model and optimizer files, and the prompt file; rewinds the run dir."""
+    ckpt = checkpoint.latest(checkpoint.root_of(cfg.trainer.checkpoint_dir, run_dir))
+    data_file = str(run_dir / "data" / "train.parquet") if cfg.data.train_files == "embedded" else cfg.data.train_files
+    moved = checkpoint.rewind(run_dir, ckpt)
+    print(f"asyncrl: resuming at step {ckpt.step} (version {ckpt.version}) from {ckpt.url}; discarded {moved}")
+    return ckpt, checkpoint.fetch(ckpt, run_dir), data_file

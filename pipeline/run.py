@@ -12,7 +12,7 @@ import time
 import ray
 from tqdm import tqdm
 
-from pipeline import sync
+from pipeline import checkpoint, sync
 from pipeline.config import RunConfig
 from pipeline.monitor import make_monitor
 from pipeline.prepare import RunContext, prepare
@@ -36,7 +36,7 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
     clock = ctx.start_clock(budget)
     trainer = ctx.start_trainer()
     configure_data_context(cfg.ray.no_progress_timeout_s)
-    stream = build_stream(cfg, ctx.blocks, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle)
+    stream = build_stream(cfg, ctx.blocks, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle, ctx.start_version)
     sink = TrainingSink(
         iter(stream.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)),
         budget,
@@ -51,8 +51,9 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         f"run dir {ctx.run_dir}",
         flush=True,
     )
-    version, connected, started, counters = 0, False, time.monotonic(), FullyAsyncCounters()
-    bar = tqdm(range(1, total_steps + 1), desc="train steps", unit="step", dynamic_ncols=True)
+    version, connected, started, counters = ctx.start_version, False, time.monotonic(), FullyAsyncCounters()
+    first = ctx.start_step + 1  # a resumed run continues the step numbering
+    bar = tqdm(range(first, total_steps + 1), desc="train steps", unit="step", initial=first - 1, total=total_steps)
     for step in bar:
         batch = sink.next_step(version, steps_left_after_this=k - 1 - (step - 1) % k)
         if batch is None:
@@ -69,6 +70,8 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
             version += 1
             metrics.update(sync.push(trainer, clock, version))
             counters.new_window()
+        if cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0:  # a sync step too (config check)
+            metrics.update(checkpoint.save(ctx.checkpoint_root, trainer, clock, step, version))
         metrics["timing/elapsed_s"] = time.monotonic() - started
         monitor.log(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", version=version, refresh=False)

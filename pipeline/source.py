@@ -84,8 +84,13 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int) -> pa.Table:
     )
 
 
-def admission_blocks(prompts: pa.Table, total: int, block_rows: int, seed: int) -> list[pa.Table]:
-    """The run's prompts in admission order, epoch after epoch, in blocks of `block_rows`, then the end marker."""
+def admission_blocks(
+    prompts: pa.Table, total: int, block_rows: int, seed: int, skip: frozenset[str] = frozenset()
+) -> list[pa.Table]:
+    """The run's prompts in admission order, epoch after epoch, in blocks of `block_rows`, then the end marker.
+
+    `skip`: prompt ids already consumed before a checkpoint; a resumed run lays out the same order without them.
+    """
     parts, laid_out, epoch = [], 0, 0
     while laid_out < total:
         order = np.random.default_rng(seed + epoch).permutation(prompts.num_rows)[: total - laid_out]
@@ -95,6 +100,8 @@ def admission_blocks(prompts: pa.Table, total: int, block_rows: int, seed: int) 
         laid_out += len(order)
         epoch += 1
     table = pa.concat_tables(parts).combine_chunks()
+    if skip:
+        table = table.filter(pa.array([pid not in skip for pid in table["prompt_id"].to_pylist()], pa.bool_()))
     end = pa.table(
         {
             name: pa.array([END_OF_STREAM if name == "prompt_id" else None], table.schema.field(name).type)

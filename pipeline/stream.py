@@ -35,8 +35,10 @@ def _construct(spec: dict[str, Any], key: str, provided: dict[str, Any]) -> tupl
     return cls, {**provided, **extra}
 
 
-def build_stream(cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir: str, clock: tuple[str, str]):
-    """The lazy Ray Data dataset of scored samples; iterate it to run the stream."""
+def build_stream(
+    cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir: str, clock: tuple[str, str], version: int = 0
+):
+    """The lazy Ray Data dataset of scored samples; iterate it to run the stream. `version` labels model_dir."""
     clock_name, namespace = clock
     ro = cfg.rollout
     gen_cls, gen_kwargs = _construct(
@@ -44,6 +46,7 @@ def build_stream(cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir
         "stages.generate",
         {
             "model_dir": model_dir,
+            "initial_version": version,
             "clock_name": clock_name,
             "namespace": namespace,
             "n": ro.n,

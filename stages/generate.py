@@ -70,6 +70,7 @@ class VLLMGenerate:
         seed: int = 0,
         pause_mode: str = "wait",
         ignore_eos: bool = False,
+        initial_version: int = 0,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -87,14 +88,14 @@ class VLLMGenerate:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
         engine_kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=seed + self.replica)
-        self.engine = self._run(self._start_engine(engine_kwargs))
+        self.engine = self._run(self._start_engine(engine_kwargs, initial_version))
         self.busy = EngineBusy()  # rollouter/idle_ratio: touched only on the engine loop
         self.control = asyncio.run_coroutine_threadsafe(self._control_loop(), self.loop)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    async def _start_engine(self, kwargs: dict[str, Any]) -> Any:
+    async def _start_engine(self, kwargs: dict[str, Any], version: int) -> Any:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -106,7 +107,7 @@ class VLLMGenerate:
             **kwargs,
         )
         engine = AsyncLLM.from_engine_args(args)
-        await engine.update_weight_version("0")
+        await engine.update_weight_version(str(version))  # the weights in model_dir (a checkpoint's on resume)
         return engine
 
     async def __call__(self, batch: pa.Table) -> pa.Table:

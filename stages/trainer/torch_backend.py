@@ -14,9 +14,12 @@ The old logprobs of the PPO ratio are, as in verl:
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -44,7 +47,9 @@ class TorchTrainer:
         rollout_correction: dict[str, Any] | None = None,
         seed: int = 0,
         torch_threads: int = 1,
+        optimizer_state: str | None = None,
     ) -> None:
+        """`optimizer_state`: a saved optimizer state (a checkpoint's optimizer.pt) to continue from."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
@@ -52,6 +57,9 @@ class TorchTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        if optimizer_state:
+            self.optimizer.load_state_dict(torch.load(optimizer_state, weights_only=True))
+        self.model_dir = Path(model_dir)
         self.clip = (clip_ratio_low, clip_ratio_high)
         self.agg, self.grad_clip, self.micro = loss_agg_mode, grad_clip, micro_batch_size
         self.correction = CorrectionSettings(**(rollout_correction or {}))
@@ -156,6 +164,24 @@ class TorchTrainer:
             logp, _ = self._token_logprobs(prompts[lo : lo + self.micro], part)
             out += [logp[i, : len(r)].tolist() for i, r in enumerate(part)]
         return out
+
+    # --- checkpoints ---------------------------------------------------------------------------------------------
+    def save_checkpoint(self, url: str) -> float:
+        """Write `url`/model (an HF directory, tokenizer included) and `url`/optimizer.pt; returns seconds taken."""
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp)
+            self.model.save_pretrained(local / "model")
+            for f in self.model_dir.iterdir():  # tokenizer and any other side files the engine needs
+                if f.is_file() and not (local / "model" / f.name).exists() and f.suffix not in (".safetensors", ".bin"):
+                    (local / "model" / f.name).write_bytes(f.read_bytes())
+            torch.save(self.optimizer.state_dict(), local / "optimizer.pt")
+            fs, root = fsspec.core.url_to_fs(url)
+            for f in sorted(p for p in local.rglob("*") if p.is_file()):
+                target = f"{root}/{f.relative_to(local).as_posix()}"
+                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+                fs.put_file(str(f), target)
+        return time.monotonic() - start
 
     # --- weight sync -------------------------------------------------------------------------------------------
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
