@@ -42,6 +42,9 @@ def _run(items: list[str]) -> int:
     except (PromptDataError, FileNotFoundError) as err:
         print(f"asyncrl: input error: {err}", file=sys.stderr)
         return 2
+    except ConfigError as err:  # a setting that does not fit the model, found once the model is known
+        print(f"asyncrl: config error: {err}", file=sys.stderr)
+        return 2
     return 0 if summary["audit_ok"] else 1
 
 

@@ -6,6 +6,7 @@ Input errors (missing model or data, malformed rows) surface here, before Ray st
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import ray
 from pipeline import checkpoint
 from pipeline.checkpoint import Checkpoint
 from pipeline.clock import VersionClock
-from pipeline.config import RunConfig, to_yaml
+from pipeline.config import ConfigError, RunConfig, to_yaml
 from pipeline.source import PromptDataError, admission_blocks, load_prompts
 from pipeline.staleness import StalenessBudget
 
@@ -129,6 +130,23 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> tuple[Path, str]:
     return task.model_dir, data
 
 
+def check_context(cfg: RunConfig, model_dir: Path) -> None:
+    """Prompt plus response must fit the model's positions (the embedded model has 256).
+
+    vLLM refuses a longer max_model_len, but from inside the Generate actor, after Ray started; this says it once,
+    with the keys to change. A RoPE scaling factor changes the limit by rules vLLM owns, so then vLLM decides."""
+    config = json.loads((model_dir / "config.json").read_text())
+    positions = config.get("max_position_embeddings")
+    scaled = "factor" in json.dumps(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    need = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if isinstance(positions, int) and not scaled and need > positions:
+        raise ConfigError(
+            f"data.max_prompt_length ({cfg.data.max_prompt_length}) + data.max_response_length "
+            f"({cfg.data.max_response_length}) = {need} tokens, more than the model's {positions} positions "
+            f"(max_position_embeddings in {model_dir / 'config.json'}). Lower one of the two."
+        )
+
+
 def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     """Connect to the configured cluster or start a local one on loopback; returns whether we started it."""
     if ray.is_initialized():
@@ -176,6 +194,7 @@ def prepare(cfg: RunConfig) -> RunContext:
         resumed, (model_dir, optimizer_state), data_file = _resume(cfg, run_dir)
     else:
         model_dir, data_file = prepare_model(cfg, run_dir)
+    check_context(cfg, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length)
     skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()

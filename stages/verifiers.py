@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from stages.math_verifier import score_math
+
 # The embedded tokenizer's EOS text; engines usually strip it, but a decode with special tokens keeps it.
 EOS_TEXTS = ("<|endoftext|>",)
 
@@ -44,4 +46,7 @@ def score_reverse(response_text: str, ground_truth: str) -> float:
     return prefix / max(len(response), len(truth))
 
 
-VERIFIERS: dict[str, Callable[[str, str], float]] = {"reverse": score_reverse}
+# The math sets under the data_source names verl's preprocessing scripts write.
+MATH_SOURCES = ("gsm8k", "openai/gsm8k", "math", "lighteval/MATH", "math_dapo")
+
+VERIFIERS: dict[str, Callable[[str, str], float]] = {"reverse": score_reverse} | dict.fromkeys(MATH_SOURCES, score_math)

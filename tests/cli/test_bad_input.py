@@ -69,3 +69,27 @@ def test_malformed_row_names_the_row(tmp_path):
     bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     msg = one_error(asyncrl("run", f"data.train_files={bad}", "model.warm_start_steps=0", tmp_path=tmp_path))
     assert "row 1" in msg and "'prompt_text'" in msg and str(bad) in msg
+
+
+def test_verl_format_bad_row_names_row_and_column(tmp_path):
+    bad = tmp_path / "verl.parquet"
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": "1 + 1?"}],
+            "reward_model": {"style": "rule", "ground_truth": "2"},
+        },
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": "2 + 2?"}],
+            "reward_model": {"style": "rule", "ground_truth": None},
+        },
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), bad)
+    msg = one_error(asyncrl("run", f"data.train_files={bad}", "model.warm_start_steps=0", tmp_path=tmp_path))
+    assert "row 1" in msg and "'reward_model'" in msg and "ground_truth" in msg and str(bad) in msg
+
+
+def test_lengths_beyond_the_model_context(tmp_path):
+    msg = one_error(asyncrl("run", "data.max_prompt_length=240", "model.warm_start_steps=0", tmp_path=tmp_path))
+    assert "config error" in msg and "256 positions" in msg and "data.max_prompt_length (240)" in msg

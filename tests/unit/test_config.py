@@ -1,5 +1,6 @@
 """Typed config: every shipped YAML loads, a typo names the nearest key, verl's names work."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,24 @@ def test_cross_field_checks():
         load_config(None, ["rollout.n"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/x.yaml")
+
+
+@pytest.mark.parametrize(
+    ("config", "fits"),
+    [
+        ({"max_position_embeddings": 256}, False),
+        ({"max_position_embeddings": 512}, True),
+        ({"max_position_embeddings": 256, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, True),
+        ({}, True),
+    ],
+)
+def test_prompt_and_response_must_fit_the_model(tmp_path, config, fits):
+    from pipeline.prepare import check_context
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = load_config(None, ["data.max_prompt_length=224", "data.max_response_length=48"])
+    if fits:
+        check_context(cfg, tmp_path)
+        return
+    with pytest.raises(ConfigError, match=r"= 272 tokens, more than the model's 256 positions"):
+        check_context(cfg, tmp_path)
