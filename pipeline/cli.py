@@ -39,6 +39,9 @@ def _run(items: list[str]) -> int:
 
     try:
         summary = run(cfg)
+    except ConfigError as err:  # found at start-up, e.g. an unreachable trainer.mlflow_tracking_uri
+        print(f"asyncrl: config error: {err}", file=sys.stderr)
+        return 2
     except (PromptDataError, FileNotFoundError) as err:
         print(f"asyncrl: input error: {err}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import ray
 
 from pipeline.clock import VersionClock
 from pipeline.config import RunConfig, to_yaml
+from pipeline.monitor import Monitor, make_monitor
 from pipeline.source import PromptDataError, admission_blocks, load_prompts
 from pipeline.staleness import StalenessBudget
 
@@ -26,6 +27,7 @@ class RunContext:
     model_dir: Path
     blocks: list[pa.Table]
     namespace: str
+    monitor: Monitor
     started_ray: bool = False
     clock_handle: tuple[str, str] = ("", "")
 
@@ -62,9 +64,16 @@ class RunContext:
         )
         return trainer
 
-    def shutdown(self) -> None:
+    def stop_ray(self) -> None:
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop Ray; a monitor still open here means the run did not reach its summary: mark it failed."""
+        try:
+            self.stop_ray()
+        finally:
+            self.monitor.close(ok=False)
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
@@ -144,9 +153,16 @@ def prepare(cfg: RunConfig) -> RunContext:
     from transformers import AutoTokenizer
 
     run_dir = make_run_dir(cfg)
-    model_dir, data_file = prepare_model(cfg, run_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length)
-    blocks = admission_blocks(prompts, cfg.rollout.total_rollout_steps, cfg.rollout.prompts_per_call, cfg.data.seed)
-    started = start_ray(cfg, run_dir)
-    return RunContext(cfg, run_dir, model_dir, blocks, namespace=f"asyncrl-{run_dir.name}", started_ray=started)
+    monitor = make_monitor(cfg, run_dir)  # first: an unusable tracking store fails in seconds, not after warm start
+    try:
+        model_dir, data_file = prepare_model(cfg, run_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length)
+        blocks = admission_blocks(prompts, cfg.rollout.total_rollout_steps, cfg.rollout.prompts_per_call, cfg.data.seed)
+        started = start_ray(cfg, run_dir)
+    except BaseException:
+        monitor.close(ok=False)
+        raise
+    return RunContext(
+        cfg, run_dir, model_dir, blocks, namespace=f"asyncrl-{run_dir.name}", monitor=monitor, started_ray=started
+    )
