@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -69,3 +70,13 @@ def test_malformed_row_names_the_row(tmp_path):
     bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     msg = one_error(asyncrl("run", f"data.train_files={bad}", "model.warm_start_steps=0", tmp_path=tmp_path))
     assert "row 1" in msg and "'prompt_text'" in msg and str(bad) in msg
+
+
+def test_unreachable_tracking_server_fails_at_start(tmp_path):
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    msg = one_error(asyncrl("run", f"trainer.mlflow_tracking_uri=http://127.0.0.1:{port}", tmp_path=tmp_path))
+    assert "trainer.mlflow_tracking_uri" in msg and f"127.0.0.1:{port}" in msg
+    assert time.monotonic() - start < 60  # before the warm start and Ray, without minutes of retries
