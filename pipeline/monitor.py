@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,10 +81,18 @@ class MlflowMonitor:
             ) from err
 
     def _experiment(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
-        return self.client.create_experiment(name, artifact_location=artifact_location(self.tracking_uri))
+        try:
+            return self.client.create_experiment(name, artifact_location=artifact_location(self.tracking_uri))
+        except MlflowException:  # another run on a shared store may have created it since the lookup
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
 
     def log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
@@ -109,11 +117,11 @@ class MlflowMonitor:
         if self.closed:
             return
         self.closed = True
+        self._tolerant("end of run", self.client.set_terminated, self.run_id, "FINISHED" if ok else "FAILED")
         if self.failures:
             print(f"asyncrl: {self.failures} MLflow call(s) failed in this run; metrics.jsonl is complete", flush=True)
-        self._tolerant("end of run", self.client.set_terminated, self.run_id, "FINISHED" if ok else "FAILED")
 
-    def _tolerant(self, what: str, call, *args, **kwargs) -> None:
+    def _tolerant(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         try:
             call(*args, **kwargs)
         except Exception as err:
@@ -157,7 +165,7 @@ def flatten(node: Any, prefix: str = "") -> dict[str, str]:
     return flat
 
 
-def tracking_uri(cfg_uri: str, run_dir: Path) -> str:
+def resolve_tracking_uri(cfg_uri: str, run_dir: Path) -> str:
     return cfg_uri or f"sqlite:///{(Path(run_dir) / 'mlflow' / 'mlflow.db').resolve()}"
 
 
@@ -195,7 +203,7 @@ def make_monitor(cfg: RunConfig, run_dir: Path) -> Monitor:
     monitors: list[Monitor] = []
     if "mlflow" in monitor_names(t.monitor):
         params = flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
-        uri = tracking_uri(t.mlflow_tracking_uri, run_dir)
+        uri = resolve_tracking_uri(t.mlflow_tracking_uri, run_dir)
         mlflow = MlflowMonitor(uri, t.experiment_name, Path(run_dir).name, params, run_tags(run_dir))
         mlflow.log_artifacts([Path(run_dir) / "config.yaml"])
         monitors.append(mlflow)
