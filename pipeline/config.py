@@ -23,6 +23,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEFAULT_CONFIG = CONF_DIR / "default.yaml"
+MONITORS = ("mlflow", "jsonl", "null")
 VERL_PREFIXES = {"actor_rollout_ref.actor.": "actor.", "actor_rollout_ref.rollout.": "rollout."}
 
 
@@ -140,8 +141,14 @@ class TrainerConfig:
     """Parent directory of run directories (any local path)."""
     run_name: str = ""
     """Run directory name; empty means a timestamp."""
-    monitor: str = "jsonl"
-    """'jsonl' (metrics.jsonl in the run directory) or 'null'."""
+    monitor: Any = "mlflow"
+    """'mlflow', 'jsonl', 'null', or a list such as [mlflow,jsonl]. metrics.jsonl in the run directory is written in
+    every case (the run summary is computed from it), so 'jsonl' and 'null' both mean: no MLflow."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking store: an http(s):// server, a sqlite:///path.db, ...; empty keeps a sqlite store and the
+    artifacts inside the run directory (<run>/mlflow)."""
+    experiment_name: str = "asyncrl"
+    """MLflow experiment of the run (created when missing)."""
     seed: int = 0
     """Seed for model init, warm start and sampling."""
     torch_threads: int = 1
@@ -255,7 +262,6 @@ def validate(cfg: RunConfig) -> None:
             cfg.actor.loss_agg_mode in ("token-mean", "seq-mean-token-mean"),
             "actor.loss_agg_mode must be 'token-mean' or 'seq-mean-token-mean'",
         ),
-        (cfg.trainer.monitor in ("jsonl", "null"), "trainer.monitor must be 'jsonl' or 'null'"),
         (at.partial_rollout_mode in ("abort", "keep"), "async_training.partial_rollout_mode must be 'abort' or 'keep'"),
         (
             cfg.trainer.save_freq == -1
@@ -272,6 +278,7 @@ def validate(cfg: RunConfig) -> None:
     for ok, message in checks + _correction_checks(cfg):
         if not ok:
             raise ConfigError(message)
+    monitor_names(cfg.trainer.monitor)
     for name in ("generate", "reward", "advantage"):
         stage_kwargs(getattr(cfg.stages, name), f"stages.{name}")
 
@@ -290,6 +297,14 @@ def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             f"{key} compares trainer and engine logprobs: set async_training.compute_prox_log_prob=true",
         ),
     ]
+
+
+def monitor_names(value: Any) -> list[str]:
+    """`trainer.monitor` as a list of names: a name or a list of them, each one of MONITORS."""
+    names = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
+    if not names or any(n not in MONITORS for n in names):
+        raise ConfigError(f"trainer.monitor {value!r}: expected one of {', '.join(MONITORS)} or a list of them")
+    return names
 
 
 def import_target(target: str, key: str) -> type:

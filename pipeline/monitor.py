@@ -1,19 +1,41 @@
 """Monitors: where the driver sends metrics. Stages never log; they emit measurement columns.
 
-`Monitor` is a swap point (JSONL here; MLflow elsewhere). Keys follow verl's names where verl has them.
+`Monitor` is the swap point. `metrics.jsonl` in the run directory is written in every case: it is the run's own
+record, which the summary is computed from, like the sample logs. `trainer.monitor` adds MLflow (the default).
+
+MLflow gets, per run: the flattened resolved config as params, every step's metrics (one `log_batch` per step),
+`config.yaml` at the start and `summary.json` and `audit.txt` at the end as artifacts, and tags naming the run
+directory and its sample logs, which MLflow does not copy (they can be large; the notebook reads them in place).
+An empty `trainer.mlflow_tracking_uri` keeps everything inside the run directory (a sqlite store), so a run needs
+no server. A tracking store that cannot be reached fails the run at start-up; an MLflow error during training only
+warns once, because losing a long run to a flaky tracking server is worse than a gap in its charts.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from omegaconf import OmegaConf
+
+from pipeline.config import ConfigError, RunConfig, monitor_names
+
+# MLflow's limits: a param value holds at most 6000 characters, and one log_batch at most 100 params.
+MAX_PARAM_CHARS = 6000
+PARAMS_PER_BATCH = 100
 
 
 class Monitor(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
-    def close(self) -> None: ...
+    def log_artifacts(self, paths: Iterable[Path]) -> None: ...
+
+    def close(self, ok: bool) -> None:
+        """End the run: `ok` False marks it failed. Closing twice is a no-op."""
 
 
 class JsonlMonitor:
@@ -26,17 +48,163 @@ class JsonlMonitor:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
 
-    def close(self) -> None:
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        pass  # the files already live in the run directory
+
+    def close(self, ok: bool) -> None:
         self.file.close()
 
 
-class NullMonitor:
+class MlflowMonitor:
+    """One MLflow run per asyncrl run, through `MlflowClient` (no global `mlflow.set_tracking_uri`)."""
+
+    def __init__(
+        self, tracking_uri: str, experiment_name: str, run_name: str, params: dict[str, str], tags: dict[str, str]
+    ) -> None:
+        from mlflow import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        self.failures = 0
+        self.closed = False
+        try:
+            _check_reachable(tracking_uri)
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+            experiment_id = self._experiment(experiment_name)
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+            self.log_params(params)
+        except Exception as err:  # any failure here means the store is unusable: say which key to fix
+            raise ConfigError(
+                f"trainer.mlflow_tracking_uri {tracking_uri!r}: MLflow cannot use this tracking store "
+                f"({type(err).__name__}: {str(err)[:300]}). Give an http(s):// URL of a running `mlflow server`, "
+                f"a sqlite:///path/to/mlflow.db, or leave it empty for a store inside the run directory; "
+                f"or set trainer.monitor=jsonl."
+            ) from err
+
+    def _experiment(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=artifact_location(self.tracking_uri))
+        except MlflowException:  # another run on a shared store may have created it since the lookup
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    def log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
+        for i in range(0, len(items), PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[i : i + PARAMS_PER_BATCH])
+
     def log(self, metrics: dict[str, float], step: int) -> None:
-        pass
+        from mlflow.entities import Metric
 
-    def close(self) -> None:
-        pass
+        now_ms = int(time.time() * 1000)
+        batch = [Metric(key, float(value), now_ms, step) for key, value in metrics.items()]
+        self._tolerant(f"step {step}", self.client.log_batch, self.run_id, metrics=batch)
+
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        for path in paths:
+            if Path(path).exists():
+                self._tolerant(Path(path).name, self.client.log_artifact, self.run_id, str(path))
+
+    def close(self, ok: bool) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._tolerant("end of run", self.client.set_terminated, self.run_id, "FINISHED" if ok else "FAILED")
+        if self.failures:
+            print(f"asyncrl: {self.failures} MLflow call(s) failed in this run; metrics.jsonl is complete", flush=True)
+
+    def _tolerant(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        try:
+            call(*args, **kwargs)
+        except Exception as err:
+            self.failures += 1
+            if self.failures == 1:
+                print(
+                    f"asyncrl: warning: MLflow logging failed at {what} ({type(err).__name__}: {str(err)[:200]}); "
+                    f"training goes on, metrics.jsonl keeps every step, further MLflow errors are only counted",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
-def make_monitor(kind: str, run_dir: Path) -> Monitor:
-    return JsonlMonitor(run_dir) if kind == "jsonl" else NullMonitor()
+class Monitors:
+    """Fan-out to several monitors, in order."""
+
+    def __init__(self, monitors: list[Monitor]) -> None:
+        self.monitors = monitors
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for m in self.monitors:
+            m.log(metrics, step)
+
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        paths = list(paths)
+        for m in self.monitors:
+            m.log_artifacts(paths)
+
+    def close(self, ok: bool) -> None:
+        for m in self.monitors:
+            m.close(ok)
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, str]:
+    """Nested config -> {'async_training.staleness_threshold': '0.5', ...}; lists stay one value."""
+    if not isinstance(node, dict):
+        return {prefix: str(node)}
+    flat: dict[str, str] = {}
+    for key, value in node.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def resolve_tracking_uri(cfg_uri: str, run_dir: Path) -> str:
+    return cfg_uri or f"sqlite:///{(Path(run_dir) / 'mlflow' / 'mlflow.db').resolve()}"
+
+
+def artifact_location(uri: str) -> str | None:
+    """Next to a sqlite store (MLflow's default is ./mlruns in the current directory); a server decides its own."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///") :]).parent / "artifacts").resolve().as_uri()
+    return None
+
+
+def _check_reachable(uri: str) -> None:
+    """An unreachable server would make MLflow retry for minutes; a health probe fails in seconds."""
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        requests.get(uri.rstrip("/") + "/health", timeout=10).raise_for_status()
+    elif uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+
+
+def run_tags(run_dir: Path) -> dict[str, str]:
+    run_dir = Path(run_dir).resolve()
+    return {
+        "asyncrl.run_dir": str(run_dir),
+        "asyncrl.sample_log": str(run_dir / "samples"),
+        "asyncrl.consumed_log": str(run_dir / "consumed"),
+        "mlflow.note.content": f"Sample logs: {run_dir / 'samples'}. To inspect them: "
+        f"open notebooks/inspect_samples.ipynb with ASYNCRL_RUN_DIR={run_dir}",
+    }
+
+
+def make_monitor(cfg: RunConfig, run_dir: Path) -> Monitor:
+    """metrics.jsonl always; MLflow too when `trainer.monitor` names it (checked here, before any model or Ray)."""
+    t = cfg.trainer
+    monitors: list[Monitor] = []
+    if "mlflow" in monitor_names(t.monitor):
+        params = flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
+        uri = resolve_tracking_uri(t.mlflow_tracking_uri, run_dir)
+        mlflow = MlflowMonitor(uri, t.experiment_name, Path(run_dir).name, params, run_tags(run_dir))
+        mlflow.log_artifacts([Path(run_dir) / "config.yaml"])
+        monitors.append(mlflow)
+    return Monitors([JsonlMonitor(run_dir), *monitors])

@@ -19,6 +19,7 @@ from pipeline import checkpoint
 from pipeline.checkpoint import Checkpoint
 from pipeline.clock import VersionClock
 from pipeline.config import ConfigError, RunConfig, to_yaml
+from pipeline.monitor import Monitor, make_monitor
 from pipeline.source import PromptDataError, admission_blocks, load_prompts
 from pipeline.staleness import StalenessBudget
 
@@ -30,6 +31,7 @@ class RunContext:
     model_dir: Path
     blocks: list[pa.Table]
     namespace: str
+    monitor: Monitor
     started_ray: bool = False
     clock_handle: tuple[str, str] = ("", "")
     resumed: Checkpoint | None = None  # the checkpoint this attempt continues from
@@ -89,9 +91,16 @@ class RunContext:
         )
         return trainer
 
-    def shutdown(self) -> None:
+    def stop_ray(self) -> None:
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop Ray; a monitor still open here means the run did not reach its summary: mark it failed."""
+        try:
+            self.stop_ray()
+        finally:
+            self.monitor.close(ok=False)
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
@@ -189,28 +198,37 @@ def prepare(cfg: RunConfig) -> RunContext:
     from transformers import AutoTokenizer
 
     run_dir = make_run_dir(cfg)
-    resumed, optimizer_state = None, None
-    if cfg.resume:
-        resumed, (model_dir, optimizer_state), data_file = _resume(cfg, run_dir)
-    else:
-        model_dir, data_file = prepare_model(cfg, run_dir)
-    check_context(cfg, model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length)
-    skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()
-    blocks = admission_blocks(
-        prompts, cfg.rollout.total_rollout_steps, cfg.rollout.prompts_per_call, cfg.data.seed, skip
-    )
-    started = start_ray(cfg, run_dir)
-    ctx = RunContext(cfg, run_dir, model_dir, blocks, namespace=f"asyncrl-{run_dir.name}", started_ray=started)
+    # Rewind before the monitor appends to metrics.jsonl; the monitor next: a bad tracking store fails in seconds.
+    resumed = _rewind(cfg, run_dir) if cfg.resume else None
+    monitor = make_monitor(cfg, run_dir)
+    try:
+        optimizer_state = None
+        if resumed:
+            (model_dir, optimizer_state), data_file = checkpoint.fetch(resumed, run_dir), _resumed_data(cfg, run_dir)
+        else:
+            model_dir, data_file = prepare_model(cfg, run_dir)
+        check_context(cfg, model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length)
+        skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()
+        ro = cfg.rollout
+        blocks = admission_blocks(prompts, ro.total_rollout_steps, ro.prompts_per_call, cfg.data.seed, skip)
+        started = start_ray(cfg, run_dir)
+    except BaseException:
+        monitor.close(ok=False)
+        raise
+    ctx = RunContext(cfg, run_dir, model_dir, blocks, f"asyncrl-{run_dir.name}", monitor, started_ray=started)
     ctx.resumed, ctx.optimizer_state = resumed, optimizer_state
     return ctx
 
 
-def _resume(cfg: RunConfig, run_dir: Path) -> tuple[Checkpoint, tuple[Path, Path], str]:
-    """The latest checkpoint, its local model and optimizer files, and the prompt file; rewinds the run dir."""
+def _rewind(cfg: RunConfig, run_dir: Path) -> Checkpoint:
+    """The latest checkpoint; the run dir is rewound to it (what came after moves to discarded/)."""
     ckpt = checkpoint.latest(checkpoint.root_of(cfg.trainer.checkpoint_dir, run_dir))
-    data_file = str(run_dir / "data" / "train.parquet") if cfg.data.train_files == "embedded" else cfg.data.train_files
     moved = checkpoint.rewind(run_dir, ckpt)
     print(f"asyncrl: resuming at step {ckpt.step} (version {ckpt.version}) from {ckpt.url}; discarded {moved}")
-    return ckpt, checkpoint.fetch(ckpt, run_dir), data_file
+    return ckpt
+
+
+def _resumed_data(cfg: RunConfig, run_dir: Path) -> str:
+    return str(run_dir / "data" / "train.parquet") if cfg.data.train_files == "embedded" else cfg.data.train_files

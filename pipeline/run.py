@@ -14,7 +14,6 @@ from tqdm import tqdm
 
 from pipeline import checkpoint, sync
 from pipeline.config import RunConfig
-from pipeline.monitor import make_monitor
 from pipeline.prepare import RunContext, prepare
 from pipeline.staleness import StalenessBudget, mode_name
 from pipeline.stream import build_stream, configure_data_context
@@ -23,11 +22,11 @@ from stages.sink import TrainingSink
 
 
 def run(cfg: RunConfig) -> dict:
-    ctx: RunContext = prepare(cfg)  # run dir, model (embedded + warm start), validated prompts, Ray
+    ctx: RunContext = prepare(cfg)  # run dir, monitor, model (embedded + warm start), validated prompts, Ray
     try:
         return _loop(cfg, ctx)
     finally:
-        ctx.shutdown()  # also on errors: a Ray we started must not outlive the run
+        ctx.shutdown()  # also on errors: a Ray we started must not outlive the run, the monitor marks it failed
 
 
 def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
@@ -44,7 +43,7 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         str(ctx.run_dir / "consumed"),
         lambda v: ray.get(clock.outstanding_at_or_before.remote(v)),
     )
-    monitor = make_monitor(cfg.trainer.monitor, ctx.run_dir)
+    monitor = ctx.monitor
     total_steps, k = cfg.rollout.total_rollout_steps // budget.required_samples, at.trigger_parameter_sync_step
     print(
         f"asyncrl: {mode_name(at.staleness_threshold, k, at.partial_rollout)}, {total_steps} steps, "
@@ -75,5 +74,4 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         metrics["timing/elapsed_s"] = time.monotonic() - started
         monitor.log(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", version=version, refresh=False)
-    monitor.close()
     return finish_run(ctx, clock, sink)

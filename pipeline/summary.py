@@ -101,7 +101,8 @@ def summarize(run_dir: Path, report) -> dict[str, Any]:
 
 
 def finish_run(ctx, clock, sink) -> dict[str, Any]:
-    """Write the gate's ledger, stop Ray if we started it, audit the logs and print the summary."""
+    """Write the gate's ledger, stop Ray if we started it, audit the logs, print the summary and hand the audit and
+    summary to the monitor, which then ends the run as finished."""
     ray.get(clock.close.remote())
     admissions = ray.get(clock.admissions.remote())
     pq.write_table(
@@ -117,7 +118,7 @@ def finish_run(ctx, clock, sink) -> dict[str, Any]:
     )
     outstanding = ray.get(clock.stats.remote())["outstanding"]
     sink.close()
-    ctx.shutdown()
+    ctx.stop_ray()
     report = audit(ctx.run_dir)
     (ctx.run_dir / "audit.txt").write_text(report.table() + "\n")
     summary = summarize(ctx.run_dir, report)
@@ -125,6 +126,8 @@ def finish_run(ctx, clock, sink) -> dict[str, Any]:
     summary["prompts_buffered_unconsumed"] = len(sink.leftover())
     (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary, report), flush=True)
+    ctx.monitor.log_artifacts([ctx.run_dir / "summary.json", ctx.run_dir / "audit.txt"])
+    ctx.monitor.close(ok=True)
     return summary
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -35,18 +36,45 @@ def ray_session(tmp_path_factory):
     ray.shutdown()
 
 
-@pytest.fixture
-def run_job(ray_session, tmp_path):
-    """Run a job from conf/default.yaml with overrides; returns (summary, run_dir)."""
+def _run_job(output_dir: Path, *overrides: str, config: str | None = None, name: str = "run"):
     from pipeline.config import load_config
     from pipeline.run import run
 
-    def _run(*overrides: str, config: str | None = None, name: str = "run"):
-        cfg = load_config(
-            config,
-            [f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", "ray.no_progress_timeout_s=600", *overrides],
-        )
-        summary = run(cfg)
-        return summary, tmp_path / name
+    cfg = load_config(
+        config,
+        [f"trainer.output_dir={output_dir}", f"trainer.run_name={name}", "ray.no_progress_timeout_s=600", *overrides],
+    )
+    summary = run(cfg)
+    return summary, output_dir / name
 
-    return _run
+
+@pytest.fixture
+def run_job(ray_session, tmp_path):
+    """Run a job from conf/default.yaml with overrides; returns (summary, run_dir)."""
+    return functools.partial(_run_job, tmp_path)
+
+
+# A short partial-rollout job (verl's mode d, abort) with the default monitor (MLflow, sqlite in the run directory).
+# Responses ignore EOS and run to max_response_length: with the embedded task's short answers, generation otherwise
+# finishes before most syncs and only a few responses (or none, on a fast machine) span two weight versions.
+PARTIAL_RUN = [
+    "rollout.total_rollout_steps=34",
+    "actor.ppo_mini_batch_size=4",
+    "rollout.n=4",
+    "data.max_response_length=48",
+    "model.warm_start_steps=10",
+    "data.num_embedded_prompts=200",
+    "async_training.partial_rollout=true",
+    "stages.generate.ignore_eos=true",
+]
+
+
+@pytest.fixture(scope="session")
+def partial_run(ray_session, tmp_path_factory):
+    """One finished run shared by the tests that only read a run (MLflow, the sample tables, the notebook);
+    returns (summary, run_dir)."""
+    from pipeline.config import CONF_DIR
+
+    output_dir = tmp_path_factory.mktemp("partial")
+    summary, run_dir = _run_job(output_dir, *PARTIAL_RUN, config=str(CONF_DIR / "async_partial.yaml"), name="partial")
+    return summary, run_dir

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -93,3 +94,13 @@ def test_verl_format_bad_row_names_row_and_column(tmp_path):
 def test_lengths_beyond_the_model_context(tmp_path):
     msg = one_error(asyncrl("run", "data.max_prompt_length=240", "model.warm_start_steps=0", tmp_path=tmp_path))
     assert "config error" in msg and "256 positions" in msg and "data.max_prompt_length (240)" in msg
+
+
+def test_unreachable_tracking_server_fails_at_start(tmp_path):
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    msg = one_error(asyncrl("run", f"trainer.mlflow_tracking_uri=http://127.0.0.1:{port}", tmp_path=tmp_path))
+    assert "trainer.mlflow_tracking_uri" in msg and f"127.0.0.1:{port}" in msg
+    assert time.monotonic() - start < 60  # before the warm start and Ray, without minutes of retries
