@@ -5,7 +5,7 @@ ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-fast lint format clean
+.PHONY: install run test test-fast lint format clean cluster-up job cluster-down
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,23 @@ lint: install
 
 format: install
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# A Ray cluster on this machine (loopback only) and Ray Jobs on it: see README "Run on a Ray cluster".
+CLUSTER_DIR ?= /tmp/asyncrl-cluster-$(shell id -u)
+NUM_CPUS ?= 8
+GCS_PORT ?= 6390
+DASHBOARD_PORT ?= 8365
+CONFIG ?= conf/default.yaml
+CLUSTER := $(PY) -m infra.local_cluster --dir $(CLUSTER_DIR)
+
+cluster-up: install
+	$(CLUSTER) up --num-cpus $(NUM_CPUS) --port $(GCS_PORT) --dashboard-port $(DASHBOARD_PORT)
+
+job: install
+	$(CLUSTER) submit $(CONFIG) $(ARGS)
+
+cluster-down:
+	$(CLUSTER) down
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

@@ -162,7 +162,8 @@ class TrainerConfig:
 @dataclass
 class RayConfig:
     address: str = ""
-    """Cluster address; empty starts a local Ray on 127.0.0.1."""
+    """Cluster address; empty uses RAY_ADDRESS (Ray Jobs sets it for the job's driver), else starts a local Ray on
+    127.0.0.1."""
     num_cpus: int = 8
     """Logical CPUs of a local Ray; more than cores, so actors holding a CPU each cannot deadlock a 2-core box."""
     no_progress_timeout_s: float = -1

@@ -160,16 +160,18 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     """Connect to the configured cluster or start a local one on loopback; returns whether we started it."""
     if ray.is_initialized():
         return False
-    # Workers import stages/ and pipeline/ from the checkout; the engine's worker process does too.
-    env = {
-        "env_vars": {
-            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
+    # Workers import stages/ and pipeline/ from the checkout; the engine's worker process does too. In a Ray job
+    # the job's working_dir goes ahead of this PYTHONPATH on every worker, so both name the same code.
+    env_vars = {
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
     }
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=False)
+    # A driver started by Ray Jobs finds its cluster's GCS address in RAY_ADDRESS: it joins that cluster rather
+    # than starting a second Ray beside it (which would also fail on the num_cpus below).
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": _not_set_by_job(env_vars)}, log_to_driver=False)
         return False
     _keep_ray_on_loopback()
     ray.init(
@@ -177,11 +179,21 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
         num_cpus=cfg.ray.num_cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
-        runtime_env=env,
+        runtime_env={"env_vars": env_vars},
         log_to_driver=os.environ.get("ASYNCRL_WORKER_LOGS") == "1",
         _temp_dir=os.environ.get("ASYNCRL_RAY_TMP"),
     )
     return True
+
+
+def _not_set_by_job(env_vars: dict[str, str]) -> dict[str, str]:
+    """Inside a Ray job, ray.init merges its runtime env with the job's and refuses a variable that both set: the
+    submitter's value wins, ours is left out. Ray passes the job's runtime env to its driver in this variable."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    job_config = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    taken = (job_config.get("runtime_env") or {}).get("env_vars") or {}
+    return {k: v for k, v in env_vars.items() if k not in taken}
 
 
 def _keep_ray_on_loopback() -> None:
