@@ -225,6 +225,7 @@ def _explain(err: Exception, schema: DictConfig) -> ConfigError:
         node = node.get(part) if isinstance(node, DictConfig) and part in node else None
     hint = _nearest(parts[-1], node) if parts and isinstance(node, DictConfig) else ""
     reason = getattr(err, "msg", str(err)).split("\n")[0]
+    reason = reason.split(". Did you mean")[0].split(" Did you mean")[0].rstrip(".")  # omegaconf's own guess: ours
     return ConfigError(f"config key '{key}': {reason}.{hint}")
 
 

@@ -86,3 +86,21 @@ def build_stream(
     ds = ds.map_batches(reward_cls(**reward_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
     ds = ds.map_batches(adv_cls(**adv_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
     return ds.map_batches(SampleLog(f"{run_dir}/samples"), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
+
+
+def wait_for_executors(timeout_s: float = 120.0) -> None:
+    """Wait until Ray Data's executor threads have ended, after the stream's iterator was closed.
+
+    Closing the iterator shuts the executor down but joins its thread for only 2 s; on a loaded machine it can
+    still be tearing down operators when the driver calls ray.shutdown(), and a thread that touches Ray after
+    that makes Ray's core worker end the whole process with exit code 1. Waiting here closes that race.
+    """
+    import threading
+    import time
+
+    from ray.data._internal.execution.streaming_executor import StreamingExecutor
+
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if isinstance(thread, StreamingExecutor):
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import ray
 
 from pipeline.audit import audit
+from pipeline.stream import wait_for_executors
 from schemas import ADMITTED_SCHEMA
 
 
@@ -118,6 +119,7 @@ def finish_run(ctx, clock, sink) -> dict[str, Any]:
     )
     outstanding = ray.get(clock.stats.remote())["outstanding"]
     sink.close()
+    wait_for_executors()  # before ray.shutdown(): see there
     ctx.stop_ray()
     report = audit(ctx.run_dir)
     (ctx.run_dir / "audit.txt").write_text(report.table() + "\n")
