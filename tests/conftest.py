@@ -55,13 +55,18 @@ def run_job(ray_session, tmp_path):
 
 
 # A short partial-rollout job (verl's mode d, abort) with the default monitor (MLflow, sqlite in the run directory).
-# Responses ignore EOS and run to max_response_length: with the embedded task's short answers, generation otherwise
-# finishes before most syncs and only a few responses (or none, on a fast machine) span two weight versions.
+# A sync must land in the middle of responses, on any machine. With staleness 0.5 the gate admits 6 prompts per
+# version and a step trains 4; the engine takes one prompt at a time (prompts_per_call=1, calls_in_flight=1) and
+# its responses ignore EOS and run 160 tokens, so while the trainer trains on prompts 1-4 the engine is generating
+# prompt 5, and the sync that follows the step interrupts it. (With short answers generated concurrently, every
+# response could finish before the sync, and no response would span two weight versions.)
 PARTIAL_RUN = [
     "rollout.total_rollout_steps=34",
     "actor.ppo_mini_batch_size=4",
     "rollout.n=4",
-    "data.max_response_length=48",
+    "rollout.prompts_per_call=1",
+    "rollout.calls_in_flight=1",
+    "data.max_response_length=160",
     "model.warm_start_steps=10",
     "data.num_embedded_prompts=200",
     "async_training.partial_rollout=true",
