@@ -62,13 +62,14 @@ def commit(root: str, step: int, version: int, consumed: list[tuple[str, int, fl
     `consumed` is the clock's ledger of the prompts consumed so far: (prompt_id, admitted_version, admitted_time).
     """
     ledger = pa.table({name: [row[i] for row in consumed] for i, name in enumerate(ADMITTED_SCHEMA.names)})
-    fs, path = fsspec.core.url_to_fs(step_url(root, step))
-    fs.makedirs(path, exist_ok=True)
-    with fs.open(f"{path}/ledger.parquet", "wb") as f:
+    fs, path = fsspec.core.url_to_fs(root)
+    step_path = f"{path}/global_step_{step}"
+    fs.makedirs(step_path, exist_ok=True)
+    with fs.open(f"{step_path}/ledger.parquet", "wb") as f:
         pq.write_table(ledger.cast(ADMITTED_SCHEMA), f)
-    with fs.open(f"{path}/state.json", "w") as f:
+    with fs.open(f"{step_path}/state.json", "w") as f:
         json.dump({"step": step, "version": version, "gate": gate, "consumed_prompts": ledger.num_rows}, f)
-    with fs.open(f"{fsspec.core.url_to_fs(root)[1]}/{LATEST}", "w") as f:
+    with fs.open(f"{path}/{LATEST}", "w") as f:
         f.write(str(step))
 
 
@@ -82,12 +83,11 @@ def latest(root: str) -> Checkpoint:
         )
     with fs.open(marker, "r") as f:
         step = int(f.read().strip())
-    url = step_url(root, step)
-    with fs.open(f"{fsspec.core.url_to_fs(url)[1]}/state.json", "r") as f:
+    with fs.open(f"{path}/global_step_{step}/state.json", "r") as f:
         state = json.load(f)
-    with fs.open(f"{fsspec.core.url_to_fs(url)[1]}/ledger.parquet", "rb") as f:
+    with fs.open(f"{path}/global_step_{step}/ledger.parquet", "rb") as f:
         ledger = pq.read_table(f)
-    return Checkpoint(url, step, int(state["version"]), ledger)
+    return Checkpoint(step_url(root, step), step, int(state["version"]), ledger)
 
 
 def fetch(ckpt: Checkpoint, run_dir: Path) -> tuple[Path, Path]:
