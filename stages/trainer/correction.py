@@ -102,7 +102,9 @@ def _accepted(log_ratio, seq_log_ratio, tokens, mask, settings: CorrectionSettin
 
 
 def _stats(raw_units, log_ratio, mask, keep, tokens, settings: CorrectionSettings) -> dict[str, float]:
-    """Sums over this micro/mini-batch; the IS statistics are over the units IS weighs (tokens or sequences)."""
+    """Sums over this micro/mini-batch; the IS statistics are over the units IS weighs (tokens or sequences).
+    In float64: thousands of float32 terms would leave ESS a rounding error above its bound of 1."""
+    raw_units, log_ratio, mask = raw_units.double(), log_ratio.double(), mask.double()
     truncated = raw_units.clamp(max=settings.rollout_is_threshold)
     ratio = torch.exp(log_ratio) * mask
     return {
@@ -137,7 +139,10 @@ def finalize_stats(s: dict[str, float]) -> dict[str, float]:
         "rollout_corr/rollout_is_max": s["is_max"],
         "rollout_corr/rollout_is_std": math.sqrt(max(s["is_sq_sum"] / n - mean**2, 0.0)),
         "rollout_corr/rollout_is_clipped_fraction": s["is_clipped"] / n,
-        "rollout_corr/rollout_is_eff_sample_size": s["is_trunc_sum"] ** 2 / max(n * s["is_trunc_sq_sum"], 1e-30),
+        # <= 1 by Cauchy-Schwarz; min() only removes what rounding leaves above it
+        "rollout_corr/rollout_is_eff_sample_size": min(
+            1.0, s["is_trunc_sum"] ** 2 / max(n * s["is_trunc_sq_sum"], 1e-30)
+        ),
         "rollout_corr/kl": s["kl_k1_sum"] / tokens,
         "rollout_corr/k3_kl": s["kl_k3_sum"] / tokens,
         "rollout_corr/rollout_rs_masked_fraction": s["rs_masked_tokens"] / tokens,

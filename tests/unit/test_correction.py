@@ -125,3 +125,11 @@ def test_inactive_settings_leave_everything_alone():
     corr = rollout_correction(prox, behaviour, mask, CorrectionSettings())
     assert not CorrectionSettings().active
     assert np.allclose(corr.weights.numpy(), 1.0) and corr.mask.tolist() == [[1.0, 1.0]]
+
+
+def test_ess_never_exceeds_one_on_many_near_equal_weights():
+    torch.manual_seed(0)
+    behaviour = torch.log(torch.rand(64, 128) * 0.9 + 0.05)
+    prox = behaviour + 1e-4 * torch.randn(64, 128)  # float32 ratios all ~1: rounding once pushed ESS above 1
+    stats = rollout_correction(prox, behaviour, torch.ones(64, 128), CorrectionSettings(rollout_is="token")).stats
+    assert 0.99 < finalize_stats(stats)["rollout_corr/rollout_is_eff_sample_size"] <= 1.0
