@@ -167,6 +167,7 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    _no_usage_reporting()
     # A driver started by Ray Jobs finds its cluster's GCS address in RAY_ADDRESS: it joins that cluster rather
     # than starting a second Ray beside it (which would also fail on the num_cpus below).
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
@@ -194,6 +195,13 @@ def _not_set_by_job(env_vars: dict[str, str]) -> dict[str, str]:
     job_config = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
     taken = (job_config.get("runtime_env") or {}).get("env_vars") or {}
     return {k: v for k, v in env_vars.items() if k not in taken}
+
+
+def _no_usage_reporting() -> None:
+    """Ray's usage stats would send a report off this machine, and Ray Data's usage collection leaves a poller
+    thread in the driver that keeps querying the cluster after ray.shutdown(). Both are read at call time."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ["RAY_DATA_USAGE_DISABLED"] = "1"
 
 
 def _keep_ray_on_loopback() -> None:

@@ -89,11 +89,11 @@ def build_stream(
 
 
 def wait_for_executors(timeout_s: float = 120.0) -> None:
-    """Wait until Ray Data's executor threads have ended, after the stream's iterator was closed.
+    """Wait until Ray Data's driver-side threads have ended, after the stream's iterator was closed.
 
-    Closing the iterator shuts the executor down but joins its thread for only 2 s; on a loaded machine it can
-    still be tearing down operators when the driver calls ray.shutdown(), and a thread that touches Ray after
-    that makes Ray's core worker end the whole process with exit code 1. Waiting here closes that race.
+    Closing the iterator shuts the executor down but joins its thread for only 2 s, and the iterator's own worker
+    threads ("iter_threaded") may still be fetching a last block. A thread that touches Ray after ray.shutdown()
+    makes Ray's core worker end the whole process with exit code 1, so every one of them is joined first.
     """
     import threading
     import time
@@ -102,5 +102,9 @@ def wait_for_executors(timeout_s: float = 120.0) -> None:
 
     deadline = time.monotonic() + timeout_s
     for thread in threading.enumerate():
-        if isinstance(thread, StreamingExecutor):
+        if isinstance(thread, StreamingExecutor) or thread.name in _DATA_THREADS:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+# Ray Data threads in the driver that end once the iterator is closed and may touch Ray until they do.
+_DATA_THREADS = {"iter_threaded", "ray-data-metadata-prefetch"}

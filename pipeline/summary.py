@@ -102,8 +102,9 @@ def summarize(run_dir: Path, report) -> dict[str, Any]:
 
 
 def finish_run(ctx, clock, sink) -> dict[str, Any]:
-    """Write the gate's ledger, stop Ray if we started it, audit the logs, print the summary and hand the audit and
-    summary to the monitor, which then ends the run as finished."""
+    """Write the gate's ledger, stop the stream, audit the logs, print the summary and hand the audit and summary
+    to the monitor, which then ends the run as finished. Ray is stopped last, by the caller: the shorter the time
+    between ray.shutdown() and the end of the process, the less a stray library thread can run into it."""
     ray.get(clock.close.remote())
     admissions = ray.get(clock.admissions.remote())
     pq.write_table(
@@ -120,7 +121,6 @@ def finish_run(ctx, clock, sink) -> dict[str, Any]:
     outstanding = ray.get(clock.stats.remote())["outstanding"]
     sink.close()
     wait_for_executors()  # before ray.shutdown(): see there
-    ctx.stop_ray()
     report = audit(ctx.run_dir)
     (ctx.run_dir / "audit.txt").write_text(report.table() + "\n")
     summary = summarize(ctx.run_dir, report)
