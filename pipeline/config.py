@@ -21,9 +21,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from pipeline.workload import Workload
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEFAULT_CONFIG = CONF_DIR / "default.yaml"
 MONITORS = ("mlflow", "jsonl", "null")
+BACKENDS = ("torch", "sim")
 VERL_PREFIXES = {"actor_rollout_ref.actor.": "actor.", "actor_rollout_ref.rollout.": "rollout."}
 
 
@@ -137,6 +140,8 @@ class ModelConfig:
 
 @dataclass
 class TrainerConfig:
+    backend: str = "torch"
+    """Trainer backend: 'torch' (an HF model, AdamW) or 'sim' (spends the time `sim` gives; for benchmarks)."""
     output_dir: str = "runs"
     """Parent directory of run directories (any local path)."""
     run_name: str = ""
@@ -196,6 +201,8 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
+    sim: Workload = field(default_factory=Workload)
+    """The simulated workload of stages.sim_generate.SimGenerate and trainer.backend=sim (pipeline/workload.py)."""
     resume: bool = False
     """Continue the run named by trainer.run_name from its latest checkpoint."""
 
@@ -246,6 +253,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         cfg: RunConfig = OmegaConf.to_object(merged)
     except (ConfigKeyError, ValidationError) as err:
         raise _explain(err, schema) from None
+    except ValueError as err:  # a dataclass's own range check (sim.*)
+        raise ConfigError(str(err)) from None
     validate(cfg)
     return cfg
 
@@ -270,6 +279,11 @@ def validate(cfg: RunConfig) -> None:
             or (cfg.trainer.save_freq > 0 and cfg.trainer.save_freq % at.trigger_parameter_sync_step == 0),
             "trainer.save_freq must be -1 or a positive multiple of async_training.trigger_parameter_sync_step "
             "(a checkpoint is taken at a weight sync, so the engines can resume from exactly those weights)",
+        ),
+        (cfg.trainer.backend in BACKENDS, f"trainer.backend must be one of {', '.join(BACKENDS)}"),
+        (
+            cfg.trainer.backend != "sim" or cfg.trainer.save_freq == -1,
+            "trainer.backend=sim has no weights to checkpoint: set trainer.save_freq=-1",
         ),
         (not cfg.resume or bool(cfg.trainer.run_name), "resume=true needs trainer.run_name naming the run to continue"),
         (

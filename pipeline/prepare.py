@@ -66,6 +66,11 @@ class RunContext:
         return list(zip(*(ledger[c].to_pylist() for c in ledger.column_names), strict=True))
 
     def start_trainer(self):
+        if self.cfg.trainer.backend == "sim":
+            from stages.trainer.sim_backend import SimTrainer
+
+            # It only sleeps: no CPU, so it never competes with the stages for one on a 2-core box.
+            return ray.remote(SimTrainer).options(num_cpus=0).remote(dataclasses.asdict(self.cfg.sim))
         from stages.trainer.torch_backend import TorchTrainer
 
         a, t = self.cfg.actor, self.cfg.trainer
@@ -227,7 +232,8 @@ def prepare(cfg: RunConfig) -> RunContext:
             (model_dir, optimizer_state), data_file = checkpoint.fetch(resumed, run_dir), _resumed_data(cfg, run_dir)
         else:
             model_dir, data_file = prepare_model(cfg, run_dir)
-        check_context(cfg, model_dir)
+        if cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate":
+            check_context(cfg, model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length)
         skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()

@@ -72,6 +72,17 @@ def test_cross_field_checks():
         load_config("/nonexistent/x.yaml")
 
 
+def test_sim_section_and_backend_are_checked():
+    with pytest.raises(ConfigError, match=r"sim.decode_s_per_tokn.*Did you mean 'decode_s_per_token'"):
+        load_config(None, ["sim.decode_s_per_tokn=0.1"])
+    with pytest.raises(ConfigError, match=r"sim.slots = 0 is out of range"):
+        load_config(None, ["sim.slots=0"])
+    with pytest.raises(ConfigError, match="trainer.backend must be one of torch, sim"):
+        load_config(None, ["trainer.backend=jax"])
+    with pytest.raises(ConfigError, match="no weights to checkpoint"):
+        load_config(CONF_DIR / "sim" / "toy.yaml", ["trainer.save_freq=2"])
+
+
 @pytest.mark.parametrize(
     ("config", "fits"),
     [
