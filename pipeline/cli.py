@@ -6,7 +6,9 @@ import argparse
 import sys
 
 USAGE = """asyncrl run [CONFIG] [key=value ...]   run a job (default: conf/default.yaml, the embedded CPU task)
-asyncrl audit RUN_DIR                   re-check a finished run from its logs"""
+asyncrl audit RUN_DIR                   re-check a finished run from its logs
+asyncrl plan [CONFIG] [key=value ...] --gpus N [...]
+                                        recommend a trainer:rollout split and staleness for a GPU budget"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,9 +20,19 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("items", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
     audit_p = sub.add_parser("audit", help="audit a run directory")
     audit_p.add_argument("run_dir")
+    plan_p = sub.add_parser("plan", help="recommend a trainer:rollout split (simulated; see pipeline/planner.py)")
+    plan_p.add_argument("items", nargs="*", help="a CONFIG.yaml with a `sim` workload, then key=value overrides")
+    plan_p.add_argument("--gpus", type=int, required=True, help="GPU budget")
+    plan_p.add_argument("--gpus-per-replica", type=int, default=8, help="GPUs of one engine (the split's step)")
+    plan_p.add_argument("--sim-engine-gpus", type=int, default=8, help="GPUs the config's sim.slots stand for")
+    plan_p.add_argument("--sim-trainer-gpus", type=int, default=8, help="GPUs sim.train_s_per_token was taken on")
+    plan_p.add_argument("--switch-s", type=float, default=None, help="colocated switch time (default: sync time)")
+    plan_p.add_argument("--max-staleness", type=float, default=0.5, help="largest staleness_threshold to propose")
     args = parser.parse_args(argv)
     if args.command == "audit":
         return _audit(args.run_dir)
+    if args.command == "plan":
+        return _plan(args)
     return _run(args.items)
 
 
@@ -47,6 +59,21 @@ def _run(items: list[str]) -> int:
         print(f"asyncrl: input error: {err}", file=sys.stderr)
         return 2
     return 0 if summary["audit_ok"] else 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pipeline.config import ConfigError, load_config
+    from pipeline.planner import Hardware, report
+
+    path = args.items[0] if args.items and "=" not in args.items[0] else None
+    try:
+        cfg = load_config(path, args.items[1:] if path else args.items)
+        hw = Hardware(args.gpus, args.gpus_per_replica, args.sim_engine_gpus, args.sim_trainer_gpus, args.switch_s)
+    except (ConfigError, ValueError) as err:
+        print(f"asyncrl plan: {err}", file=sys.stderr)
+        return 2
+    print(report(cfg, hw, args.max_staleness))
+    return 0
 
 
 def _audit(run_dir: str) -> int:
