@@ -5,7 +5,7 @@ ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-fast lint format clean cluster-up job cluster-down
+.PHONY: install run test test-fast bench lint format clean cluster-up job cluster-down
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,13 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+# The benchmarks of docs/benchmarks.md, one after the other (about 12 minutes on 2 cores); each prints its table last.
+bench: install
+	$(PY) -m bench.modes
+	$(PY) -m bench.overhead
+	$(PY) -m bench.weight_sync
+	$(PY) -m bench.learning
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

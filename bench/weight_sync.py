@@ -1,0 +1,94 @@
+"""Weight-sync throughput: the trainer's GlooWeightSync pushing to an engine-side WeightReceiver in another
+process, for models of ~1M to ~100M parameters, next to this machine's memory-copy bandwidth for the same tensors.
+
+Both ends are the pipeline's code (stages/trainer/weight_sync.py, stages/vllm_worker.py); only vLLM's
+`reload_weights` is replaced by a copy into preallocated buffers, so the figure is the transport's.
+
+    python -m bench.weight_sync            # about a minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import torch
+
+SIZES = {"1M": 1_000_000, "10M": 10_000_000, "100M": 100_000_000}
+REPEATS = 3
+
+
+def layer_shapes(params: int, hidden: int = 512) -> list[list[int]]:
+    """Square matrices of `hidden` (a transformer's projections), enough of them for `params`."""
+    hidden = min(hidden, int(params**0.5))
+    return [[hidden, hidden]] * max(1, params // (hidden * hidden))
+
+
+class _Runner:
+    """Stands in for vLLM's model runner: loads the streamed tensors into buffers it owns."""
+
+    def __init__(self, shapes: list[list[int]]) -> None:
+        self.buffers = [torch.empty(s) for s in shapes]
+
+    def reload_weights(self, weights_iterator) -> None:
+        for buf, (_, tensor) in zip(self.buffers, weights_iterator, strict=True):
+            buf.copy_(tensor)
+
+
+def _engine(host: str, port: int, shapes: list[list[int]], rounds: int) -> None:
+    from stages.vllm_worker import WeightReceiver
+
+    torch.set_num_threads(1)
+    receiver = WeightReceiver()
+    receiver.model_runner = _Runner(shapes)
+    receiver.init_weight_group(host, port, 1, 2, "gloo")
+    names, dtypes = [f"w{i}" for i in range(len(shapes))], ["float32"] * len(shapes)
+    for _ in range(rounds):
+        receiver.receive_weights(names, shapes, dtypes)
+
+
+def measure(shapes: list[list[int]]) -> tuple[float, float, float]:
+    """(bytes, seconds per push, seconds per memory copy of the same tensors)."""
+    from stages.trainer.weight_sync import GlooWeightSync
+
+    tensors = [torch.randn(s) for s in shapes]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    sync = GlooWeightSync()
+    group = sync.open(2)
+    engine = mp.get_context("spawn").Process(target=_engine, args=(group["host"], group["port"], shapes, REPEATS + 1))
+    engine.start()
+    sync.wait_open()
+    sync.push(tensors)  # warm-up: connections and the receiver's first allocations
+    start = time.perf_counter()
+    for _ in range(REPEATS):
+        sync.push(tensors)
+    push_s = (time.perf_counter() - start) / REPEATS
+    engine.join(120)
+    if engine.exitcode != 0:
+        raise RuntimeError(f"the receiving process ended with code {engine.exitcode}")
+    copies = [torch.empty_like(t) for t in tensors]
+    start = time.perf_counter()
+    for _ in range(REPEATS):
+        for dst, src in zip(copies, tensors, strict=True):
+            dst.copy_(src)
+    return nbytes, push_s, (time.perf_counter() - start) / REPEATS
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    rows = []
+    for name, params in SIZES.items():
+        nbytes, push_s, copy_s = measure(layer_shapes(params))
+        rows.append((name, nbytes, push_s, copy_s))
+        print(f"bench: {name}: {nbytes / push_s / 1e9:.2f} GB/s", flush=True)
+    print(f"\n{'model':>6} {'MB':>8} {'push s':>8} {'push GB/s':>10} {'memcpy GB/s':>12} {'push/memcpy':>12}")
+    for name, nbytes, push_s, copy_s in rows:
+        print(
+            f"{name:>6} {nbytes / 1e6:>8.1f} {push_s:>8.4f} {nbytes / push_s / 1e9:>10.2f} "
+            f"{nbytes / copy_s / 1e9:>12.2f} {copy_s / push_s:>12.2f}"
+        )
+    print("gloo over loopback, one engine, float32; memcpy: the same tensors copied in this process, one thread")
+
+
+if __name__ == "__main__":
+    main()
