@@ -32,6 +32,7 @@ class VersionClock:
         self.ledger: dict[str, tuple[int, float]] = {pid: (v, t) for pid, v, t in prior}
         self.outstanding: dict[str, int] = {}  # admitted, not yet consumed: prompt_id -> admitted_version
         self.gate_blocked_s = 0.0
+        self.newest: tuple[int, str] = (version, "")  # pull mode: the newest published version and its file
         self._changed = asyncio.Condition()
         self._replicas = 0
         self._messages: list[dict[str, Any]] = []
@@ -81,6 +82,17 @@ class VersionClock:
             self.paused = False
             self._changed.notify_all()
 
+    async def publish(self, version: int, url: str) -> int:
+        """Pull mode: `version` is in the store at `url`. Admission moves to it at once (verl's counter restarts
+        as at a sync) and the replicas are told; returns the message's sequence number."""
+        self.newest = (version, url)
+        seq = await self.post({"kind": "load", "version": version, "url": url})
+        await self.finish_sync(version)
+        return seq
+
+    async def newest_published(self) -> tuple[int, str]:
+        return self.newest
+
     # --- control channel to the Generate replicas -------------------------------------------------------
     async def register_replica(self) -> int:
         self._replicas += 1
@@ -115,6 +127,11 @@ class VersionClock:
         async with self._changed:
             await asyncio.wait_for(self._changed.wait_for(lambda: len(self._acks[seq]) >= self.num_replicas), timeout_s)
             return [self._acks[seq][r] for r in sorted(self._acks[seq])]
+
+    async def acks_if_complete(self, seq: int) -> list[dict[str, Any]] | None:
+        """Every replica's acknowledgement of message `seq` if all are in, else None (never waits)."""
+        acks = self._acks[seq]
+        return [acks[r] for r in sorted(acks)] if len(acks) >= self.num_replicas else None
 
     async def close(self) -> None:
         """The trainer is done: release the end-of-stream marker held by the gate."""

@@ -93,6 +93,16 @@ class ActorConfig:
 
 
 @dataclass
+class ValKwargs:
+    n: int = 1
+    """Responses per held-out prompt."""
+    temperature: float = 0.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+
+
+@dataclass
 class RolloutConfig:
     n: int = 8
     """Responses per prompt (the GRPO group size)."""
@@ -110,6 +120,10 @@ class RolloutConfig:
     """Concurrent Generate calls per replica (continuous batching depth)."""
     kv_cache_gb: int = 1
     """KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
+    test_freq: int = -1
+    """Validate on data.val_files every this many weight versions, right after the sync (-1: never)."""
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Sampling of validation responses."""
 
 
 @dataclass
@@ -122,6 +136,11 @@ class DataConfig:
     """max_tokens per response."""
     num_embedded_prompts: int = 2000
     """Size of the generated embedded data set."""
+    val_files: str = ""
+    """Held-out prompts for validation (parquet or jsonl, flat or verl format), 'embedded' for the embedded
+    task's held-out set, or empty for no validation."""
+    num_embedded_val_prompts: int = 64
+    """Size of the embedded held-out set (prompts that are not in its training set)."""
     seed: int = 0
     """Shuffle seed; epoch e uses seed + e."""
 
@@ -158,10 +177,22 @@ class TrainerConfig:
     """Seed for model init, warm start and sampling."""
     torch_threads: int = 1
     """Intra-op threads of the trainer process."""
+    val_before_train: bool = False
+    """Validate the starting weights before the first step (needs data.val_files)."""
     save_freq: int = -1
     """Checkpoint every this many steps (a multiple of trigger_parameter_sync_step); -1 never."""
     checkpoint_dir: str = ""
     """Where checkpoints go (any fsspec URL); empty means <run_dir>/checkpoints."""
+
+
+@dataclass
+class WeightSyncConfig:
+    mode: str = "push"
+    """'push': the trainer pauses the engines and broadcasts (verl). 'pull': the trainer publishes each version to
+    `store` and goes on; each engine loads the newest at its own safe point (pipeline/sync.py)."""
+    store: str = ""
+    """Pull mode's parameter store, a directory or fsspec URL every engine can read; empty: shared memory
+    (/dev/shm) on this node."""
 
 
 @dataclass
@@ -200,6 +231,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
     sim: Workload = field(default_factory=Workload)
     """The simulated workload of stages.sim_generate.SimGenerate and trainer.backend=sim (pipeline/workload.py)."""
@@ -285,6 +317,13 @@ def validate(cfg: RunConfig) -> None:
             cfg.trainer.backend != "sim" or cfg.trainer.save_freq == -1,
             "trainer.backend=sim has no weights to checkpoint: set trainer.save_freq=-1",
         ),
+        (
+            not (cfg.rollout.test_freq > 0 or cfg.trainer.val_before_train) or bool(cfg.data.val_files),
+            "validation (rollout.test_freq > 0 or trainer.val_before_train) needs data.val_files: a held-out prompt "
+            "file, or 'embedded' with the embedded task",
+        ),
+        (cfg.rollout.val_kwargs.n >= 1, "rollout.val_kwargs.n must be >= 1"),
+        (cfg.weight_sync.mode in ("push", "pull"), "weight_sync.mode must be 'push' or 'pull'"),
         (not cfg.resume or bool(cfg.trainer.run_name), "resume=true needs trainer.run_name naming the run to continue"),
         (
             cfg.rollout.total_rollout_steps >= at.require_batches * cfg.actor.ppo_mini_batch_size,

@@ -56,10 +56,11 @@ INIT_STD = 0.05
 
 @dataclass(frozen=True)
 class EmbeddedTask:
-    """Where build_embedded put the model (with its tokenizer) and the prompt file."""
+    """Where build_embedded put the model (with its tokenizer), the prompt file and the held-out prompts."""
 
     model_dir: Path
     data_file: Path
+    val_file: Path
 
 
 def length_weights() -> list[float]:
@@ -160,8 +161,9 @@ def write_rows(rows: list[dict], path: Path) -> None:
     pq.write_table(pa.table({key: pa.array([r[key] for r in rows], pa.string()) for key in columns}), path)
 
 
-def build_embedded(run_dir: Path, num_prompts: int, seed: int) -> EmbeddedTask:
-    """Build tokenizer + model into run_dir/model and the prompts into run_dir/data/train.parquet."""
+def build_embedded(run_dir: Path, num_prompts: int, seed: int, num_val_prompts: int = 64) -> EmbeddedTask:
+    """Build tokenizer + model into run_dir/model, the prompts into run_dir/data/train.parquet and held-out ones
+    into run_dir/data/val.parquet."""
     run_dir = Path(run_dir)
     model_dir = run_dir / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -169,5 +171,10 @@ def build_embedded(run_dir: Path, num_prompts: int, seed: int) -> EmbeddedTask:
     build_model(model_dir, len(tokenizer), seed)
     data_file = run_dir / "data" / "train.parquet"
     # A different stream from the tokenizer corpus (seed + 1): the data set is not the BPE training text.
-    write_rows(make_rows(num_prompts, seed + 1), data_file)
-    return EmbeddedTask(model_dir=model_dir, data_file=data_file)
+    train = make_rows(num_prompts, seed + 1)
+    write_rows(train, data_file)
+    # Held out: a third stream, without any prompt of the training set (short lists repeat).
+    seen = {r["prompt_text"] for r in train}
+    val = [r for r in make_rows(4 * num_val_prompts, seed + 2) if r["prompt_text"] not in seen]
+    write_rows(list({r["prompt_text"]: r for r in val}.values())[:num_val_prompts], run_dir / "data" / "val.parquet")
+    return EmbeddedTask(model_dir=model_dir, data_file=data_file, val_file=run_dir / "data" / "val.parquet")

@@ -36,6 +36,7 @@ class RunContext:
     clock_handle: tuple[str, str] = ("", "")
     resumed: Checkpoint | None = None  # the checkpoint this attempt continues from
     optimizer_state: Path | None = None
+    val_prompts: pa.Table | None = None  # held-out prompts (pipeline/validate.py)
 
     @property
     def start_step(self) -> int:
@@ -134,7 +135,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> tuple[Path, str]:
     from pipeline.embedded import build_embedded
     from pipeline.warmstart import warm_start
 
-    task = build_embedded(run_dir, cfg.data.num_embedded_prompts, cfg.trainer.seed)
+    task = build_embedded(run_dir, cfg.data.num_embedded_prompts, cfg.trainer.seed, cfg.data.num_embedded_val_prompts)
     if cfg.model.warm_start_steps > 0:
         stats = warm_start(
             task.model_dir, task.data_file, cfg.model.warm_start_steps, cfg.model.warm_start_lr, cfg.trainer.seed
@@ -142,6 +143,21 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> tuple[Path, str]:
         print(f"asyncrl: warm start {cfg.model.warm_start_steps} steps, {stats}", flush=True)
     data = str(task.data_file) if cfg.data.train_files == "embedded" else cfg.data.train_files
     return task.model_dir, data
+
+
+def load_val_prompts(cfg: RunConfig, run_dir: Path, tokenizer) -> pa.Table | None:
+    """The held-out prompts with ids 'val-<row>', or None without data.val_files."""
+    if not cfg.data.val_files:
+        return None
+    if cfg.data.val_files == "embedded":
+        if cfg.model.path != "embedded":
+            raise PromptDataError("data.val_files=embedded needs model.path=embedded; set it to a held-out file")
+        path = str(run_dir / "data" / "val.parquet")
+    else:
+        path = cfg.data.val_files
+    table = load_prompts(path, tokenizer, cfg.data.max_prompt_length)
+    ids = pa.array([f"val-{r:06d}" for r in table.column("row").to_pylist()], pa.string())
+    return table.drop_columns(["row"]).add_column(0, "prompt_id", ids)
 
 
 def check_context(cfg: RunConfig, model_dir: Path) -> None:
@@ -236,6 +252,7 @@ def prepare(cfg: RunConfig) -> RunContext:
             check_context(cfg, model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length)
+        val_prompts = load_val_prompts(cfg, run_dir, tokenizer)
         skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()
         ro = cfg.rollout
         blocks = admission_blocks(prompts, ro.total_rollout_steps, ro.prompts_per_call, cfg.data.seed, skip)
@@ -244,7 +261,7 @@ def prepare(cfg: RunConfig) -> RunContext:
         monitor.close(ok=False)
         raise
     ctx = RunContext(cfg, run_dir, model_dir, blocks, f"asyncrl-{run_dir.name}", monitor, started_ray=started)
-    ctx.resumed, ctx.optimizer_state = resumed, optimizer_state
+    ctx.resumed, ctx.optimizer_state, ctx.val_prompts = resumed, optimizer_state, val_prompts
     return ctx
 
 

@@ -18,6 +18,7 @@ from pipeline.prepare import RunContext, prepare
 from pipeline.staleness import StalenessBudget, mode_name
 from pipeline.stream import build_stream, configure_data_context
 from pipeline.summary import FullyAsyncCounters, finish_run, step_metrics
+from pipeline.validate import Validator
 from stages.sink import TrainingSink
 
 
@@ -50,7 +51,11 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         f"run dir {ctx.run_dir}",
         flush=True,
     )
-    version, connected, started, counters = ctx.start_version, False, time.monotonic(), FullyAsyncCounters()
+    version, started, counters = ctx.start_version, time.monotonic(), FullyAsyncCounters()
+    syncer = sync.make_syncer(cfg, trainer, clock, ctx.run_dir)  # push (verl) or pull (a parameter store)
+    validator = Validator(clock, ctx.val_prompts, cfg.rollout, ctx.run_dir)  # held-out prompts at sync points
+    if cfg.trainer.val_before_train:
+        validator.start(version)
     first = ctx.start_step + 1  # a resumed run continues the step numbering
     bar = tqdm(range(first, total_steps + 1), desc="train steps", unit="step", initial=first - 1, total=total_steps)
     for step in bar:
@@ -63,15 +68,16 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         metrics.update(step_metrics(batch, version, ray.get(clock.stats.remote()), metrics["timing/train_s"]))
         metrics.update(counters.update(batch.table, version))
         if step % k == 0:
-            if not connected:  # the replicas exist once the stream runs; join them to the group once
-                sync.connect(trainer, clock, cfg.rollout.num_replicas)
-                connected = True
             version += 1
-            metrics.update(sync.push(trainer, clock, version))
+            metrics.update(syncer.sync(version))
             counters.new_window()
+            validator.after_sync(version)
+        metrics.update(syncer.collect(wait=step == total_steps))  # pull mode: the replicas' loads, as they finish
         if cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0:  # a sync step too (config check)
             metrics.update(checkpoint.save(ctx.checkpoint_root, trainer, clock, step, version))
+        metrics.update(validator.collect(wait=step == total_steps))  # the passes that have finished
         metrics["timing/elapsed_s"] = time.monotonic() - started
         monitor.log(metrics, step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", version=version, refresh=False)
+    syncer.close()
     return finish_run(ctx, clock, sink)

@@ -108,6 +108,7 @@ class VLLMGenerate:
         )
         engine = AsyncLLM.from_engine_args(args)
         await engine.update_weight_version(str(version))  # the weights in model_dir (a checkpoint's on resume)
+        self.loaded, self.loaded_changed = version, asyncio.Condition()  # on the engine loop, which uses them
         return engine
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
@@ -122,6 +123,10 @@ class VLLMGenerate:
         return pa.Table.from_pylist(out_rows, schema=_OUT_SCHEMA)
 
     async def _generate_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # Pull mode: prompts admitted at a version this replica has not loaded yet wait for it (the lag bound).
+        need = max(row["admitted_version"] for row in rows)
+        async with self.loaded_changed:
+            await self.loaded_changed.wait_for(lambda: self.loaded >= need)
         jobs = [self._one(row, i) for row in rows for i in range(self.n)]
         return list(await asyncio.gather(*jobs))
 
@@ -160,15 +165,18 @@ class VLLMGenerate:
             "gen_latency_s": time.time() - start,
         }
 
-    async def _segment(self, prompt: list[int], max_tokens: int, request_id: str) -> tuple[list, list, Any, str]:
+    async def _segment(
+        self, prompt: list[int], max_tokens: int, request_id: str, sampling: dict[str, float] | None = None
+    ) -> tuple[list, list, Any, str]:
         """Stream one engine request; returns its tokens, logprobs, version spans and finish reason."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        sampling = sampling or {"temperature": self.temperature, "top_p": self.top_p}
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
+            temperature=sampling["temperature"],
+            top_p=sampling["top_p"],
             logprobs=0,  # the sampled token's logprob: the behaviour policy
             stop_token_ids=[] if self.ignore_eos else [self.eos],  # the engine has no tokenizer: tell it EOS
             output_kind=RequestOutputKind.DELTA,
@@ -194,7 +202,13 @@ class VLLMGenerate:
         while True:
             msg = await asyncio.wrap_future(self.clock.next_message.remote(seen).future())
             seen = msg["seq"]
-            handler = {"init_group": self._init_group, "sync": self._sync}[msg["kind"]]
+            handlers = {
+                "init_group": self._init_group,
+                "sync": self._sync,
+                "validate": self._validate,
+                "load": self._load,
+            }
+            handler = handlers[msg["kind"]]
             payload = await handler(msg)
             self.clock.ack.remote(seen, self.replica, payload)
 
@@ -203,19 +217,54 @@ class VLLMGenerate:
         await self.engine.collective_rpc("init_weight_group", args=args)
         return {"replica": self.replica}
 
+    async def _validate(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """This replica's share of a validation pass (pipeline/validate.py); no sync can start until it is done."""
+        rows = [r for i, r in enumerate(msg["rows"]) if i % msg["replicas"] == self.replica]
+        jobs = [self._val_one(row, i, msg) for row in rows for i in range(msg["n"])]
+        return {"replica": self.replica, "samples": list(await asyncio.gather(*jobs))}
+
+    async def _val_one(self, row: dict[str, Any], index: int, msg: dict[str, Any]) -> dict[str, Any]:
+        sample_id = f"val-{msg['version']}/{row['prompt_id']}/{index}"
+        sampling = {"temperature": msg["temperature"], "top_p": msg["top_p"]}
+        tokens, _, spans, finish = await self._segment(row["prompt_ids"], self.max_tokens, sample_id, sampling)
+        return {
+            "sample_id": sample_id,
+            "prompt_id": row["prompt_id"],
+            "data_source": row["data_source"],
+            "ground_truth": row["ground_truth"],
+            "response_text": self.tokenizer.decode(tokens, skip_special_tokens=True),
+            "num_tokens": len(tokens),
+            "token_param_version": _expand_spans(spans, len(tokens), sample_id),
+            "finish_reason": finish,
+        }
+
     async def _sync(self, msg: dict[str, Any]) -> dict[str, Any]:
+        args = (msg["names"], msg["shapes"], msg["dtypes"])
+        return await self._swap_weights(msg["version"], "receive_weights", args)
+
+    async def _load(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Pull mode: load the newest published version, unless this replica already has it."""
+        version, url = await asyncio.wrap_future(self.clock.newest_published.remote().future())
+        if version <= self.loaded:
+            return {"replica": self.replica}
+        return await self._swap_weights(version, "load_weights_file", (url,))
+
+    async def _swap_weights(self, version: int, rpc: str, args: tuple) -> dict[str, Any]:
         t0 = time.monotonic()
         # `keep` continues the frozen requests over their KV cache, which must therefore survive the pause.
         await self.engine.pause_generation(mode=self.pause_mode, clear_cache=self.pause_mode != "keep")
         self.busy.pause()  # after the drain: in `wait` mode the engine works until pause_generation returns
         t1 = time.monotonic()
-        await self.engine.collective_rpc("receive_weights", args=(msg["names"], msg["shapes"], msg["dtypes"]))
-        await self.engine.update_weight_version(str(msg["version"]))
+        await self.engine.collective_rpc(rpc, args=args)
+        await self.engine.update_weight_version(str(version))
         t2 = time.monotonic()
         await self.engine.resume_generation()
         self.busy.resume()
+        async with self.loaded_changed:
+            self.loaded = version
+            self.loaded_changed.notify_all()
         times = {"pause_s": t1 - t0, "transfer_s": t2 - t1, "resume_s": time.monotonic() - t2}
-        return {"replica": self.replica, **times, **self.busy.report()}
+        return {"replica": self.replica, "version": version, "loaded_at": time.time(), **times, **self.busy.report()}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -75,28 +75,17 @@ class SimGenerate:
         return pa.Table.from_pylist(await asyncio.wrap_future(future), schema=_OUT_SCHEMA)
 
     async def _generate_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # Pull mode: prompts admitted at a version this replica has not loaded yet wait for it (the lag bound).
+        need = max(row["admitted_version"] for row in rows)
+        async with self.state:
+            await self.state.wait_for(lambda: self.version >= need)
         return list(await asyncio.gather(*(self._one(row, i) for row in rows for i in range(self.n))))
 
     async def _one(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         sample_id = f"{row['prompt_id']}/{index}"
         start = time.time()
         total = self.work.units(self.work.response_length(sample_id, self.max_tokens))
-        versions: list[int] = []
-        resumes = 0
-        async with self.slots:
-            await self._enter()
-            try:
-                await asyncio.sleep(self.work.prefill_s * self.scale)
-                while len(versions) < total:
-                    version, made = await self._decode(total - len(versions))
-                    versions += [version] * made
-                    if len(versions) < total:  # interrupted by a sync: continue with the new weights
-                        resumes += 1
-                        await self._wait_resumed()
-                        if self.pause_mode == "abort":
-                            await asyncio.sleep(self.work.prefill_s * self.scale)
-            finally:
-                await self._leave()
+        versions, resumes = await self._generate(total)
         return {
             **row,
             "sample_id": sample_id,
@@ -114,6 +103,26 @@ class SimGenerate:
             "generated_time": time.time(),
             "gen_latency_s": time.time() - start,
         }
+
+    async def _generate(self, total: int) -> tuple[list[int], int]:
+        """Decode `total` tokens in a slot; returns each token's version and how often a sync interrupted it."""
+        versions: list[int] = []
+        resumes = 0
+        async with self.slots:
+            await self._enter()
+            try:
+                await asyncio.sleep(self.work.prefill_s * self.scale)
+                while len(versions) < total:
+                    version, made = await self._decode(total - len(versions))
+                    versions += [version] * made
+                    if len(versions) < total:  # interrupted by a sync: continue with the new weights
+                        resumes += 1
+                        await self._wait_resumed()
+                        if self.pause_mode == "abort":
+                            await asyncio.sleep(self.work.prefill_s * self.scale)
+            finally:
+                await self._leave()
+        return versions, resumes
 
     async def _enter(self) -> None:
         async with self.state:
@@ -160,8 +169,39 @@ class SimGenerate:
         while True:
             msg = await asyncio.wrap_future(self.clock.next_message.remote(seen).future())
             seen = msg["seq"]
-            payload = await self._sync(msg) if msg["kind"] == "sync" else {"replica": self.replica}
+            handlers = {"sync": self._sync, "validate": self._validate, "load": self._load}
+            payload = await handlers[msg["kind"]](msg) if msg["kind"] in handlers else {"replica": self.replica}
             self.clock.ack.remote(seen, self.replica, payload)
+
+    async def _validate(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """This replica's share of a validation pass; no sync can start until it is done (pipeline/validate.py)."""
+        rows = [r for i, r in enumerate(msg["rows"]) if i % msg["replicas"] == self.replica]
+        ids = [f"val-{msg['version']}/{row['prompt_id']}/{i}" for row in rows for i in range(msg["n"])]
+        totals = [self.work.units(self.work.response_length(sid, self.max_tokens)) for sid in ids]
+        done = await asyncio.gather(*(self._generate(total) for total in totals))
+        samples = [
+            {
+                "sample_id": sid,
+                "prompt_id": row["prompt_id"],
+                "data_source": row["data_source"],
+                "ground_truth": row["ground_truth"],
+                "response_text": "",
+                "num_tokens": total,
+                "token_param_version": versions,
+                "finish_reason": "stop",
+            }
+            for sid, row, total, (versions, _) in zip(
+                ids, [r for r in rows for _ in range(msg["n"])], totals, done, strict=True
+            )
+        ]
+        return {"replica": self.replica, "samples": samples}
+
+    async def _load(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Pull mode: load the newest published version (the store read costs the sync time), unless held."""
+        version, _ = await asyncio.wrap_future(self.clock.newest_published.remote().future())
+        if version <= self.version:
+            return {"replica": self.replica}
+        return {**await self._sync({"version": version}), "version": version, "loaded_at": time.time()}
 
     async def _sync(self, msg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.monotonic()

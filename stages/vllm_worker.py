@@ -43,6 +43,16 @@ class WeightReceiver:
         self.model_runner.reload_weights(weights_iterator=stream())
         return len(names)
 
+    def load_weights_file(self, url: str) -> int:
+        """Pull mode: load a version the trainer published as one safetensors file; returns the tensor count."""
+        import fsspec
+        from safetensors.torch import load
+
+        with fsspec.open(url, "rb") as f:
+            weights = load(f.read())
+        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        return len(weights)
+
     def weight_checksum(self, name: str) -> float:
         """Sum of one parameter as the engine holds it (tests use it to see a pushed change arrive)."""
         params = dict(self.model_runner.get_model().named_parameters())

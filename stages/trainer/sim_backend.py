@@ -33,6 +33,12 @@ class SimTrainer:
     def weight_meta(self) -> dict[str, list]:
         return {"names": [], "shapes": [], "dtypes": []}
 
+    def publish_weights(self, url: str) -> dict[str, float]:
+        """Pull mode: writing the weights to the store costs the transfer, and nothing waits for the engines."""
+        start = time.monotonic()
+        time.sleep(self.work.transfer_s() * self.work.time_scale)
+        return {"sync/bytes": self.work.sync_bytes, "sync/publish_s": time.monotonic() - start}
+
     def push_weights(self) -> dict[str, float]:
         """The broadcast: as long as the engines' receive (SimGenerate._sync), which runs at the same time."""
         start = time.monotonic()

@@ -211,6 +211,19 @@ class TorchTrainer:
         return {"sync/bytes": float(sent), "sync/broadcast_s": time.monotonic() - start}
 
     @torch.no_grad()
+    def publish_weights(self, url: str) -> dict[str, float]:
+        """Pull mode: write the weights as one safetensors file at `url` (any fsspec URL) for the engines to load."""
+        from safetensors.torch import save
+
+        start = time.monotonic()
+        blob = save({name: t.detach().contiguous() for name, t in self._named_weights()})
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with fs.open(path, "wb") as f:
+            f.write(blob)
+        return {"sync/bytes": float(len(blob)), "sync/publish_s": time.monotonic() - start}
+
+    @torch.no_grad()
     def set_weight(self, name: str, value: float) -> None:
         """Fill one parameter with a constant (tests use it to prove a push changes the engine)."""
         dict(self._named_weights())[name].fill_(value)
