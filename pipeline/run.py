@@ -56,28 +56,30 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
     validator = Validator(clock, ctx.val_prompts, cfg.rollout, ctx.run_dir)  # held-out prompts at sync points
     if cfg.trainer.val_before_train:
         validator.start(version)
-    first = ctx.start_step + 1  # a resumed run continues the step numbering
-    bar = tqdm(range(first, total_steps + 1), desc="train steps", unit="step", initial=first - 1, total=total_steps)
-    for step in bar:
-        batch = sink.next_step(version, steps_left_after_this=k - 1 - (step - 1) % k)
-        if batch is None:
-            break
-        metrics = ray.get(trainer.train_step.remote(batch.minibatches(cfg.actor.ppo_mini_batch_size)))
-        sink.record(batch, version, step)
-        ray.get(clock.consumed.remote([g["prompt_id"][0].as_py() for g in batch.groups]))
-        metrics.update(step_metrics(batch, version, ray.get(clock.stats.remote()), metrics["timing/train_s"]))
-        metrics.update(counters.update(batch.table, version))
-        if step % k == 0:
-            version += 1
-            metrics.update(syncer.sync(version))
-            counters.new_window()
-            validator.after_sync(version)
-        metrics.update(syncer.collect(wait=step == total_steps))  # pull mode: the replicas' loads, as they finish
-        if cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0:  # a sync step too (config check)
-            metrics.update(checkpoint.save(ctx.checkpoint_root, trainer, clock, step, version))
-        metrics.update(validator.collect(wait=step == total_steps))  # the passes that have finished
-        metrics["timing/elapsed_s"] = time.monotonic() - started
-        monitor.log(metrics, step)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", version=version, refresh=False)
-    syncer.close()
+    try:
+        first = ctx.start_step + 1  # a resumed run continues the step numbering
+        bar = tqdm(range(first, total_steps + 1), desc="train steps", unit="step", initial=first - 1, total=total_steps)
+        for step in bar:
+            batch = sink.next_step(version, steps_left_after_this=k - 1 - (step - 1) % k)
+            if batch is None:
+                break
+            metrics = ray.get(trainer.train_step.remote(batch.minibatches(cfg.actor.ppo_mini_batch_size)))
+            sink.record(batch, version, step)
+            ray.get(clock.consumed.remote([g["prompt_id"][0].as_py() for g in batch.groups]))
+            metrics.update(step_metrics(batch, version, ray.get(clock.stats.remote()), metrics["timing/train_s"]))
+            metrics.update(counters.update(batch.table, version))
+            if step % k == 0:
+                version += 1
+                metrics.update(syncer.sync(version))
+                counters.new_window()
+                validator.after_sync(version)
+            metrics.update(syncer.collect(wait=step == total_steps))  # pull mode: the replicas' loads, as they finish
+            if cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0:  # a sync step too (config check)
+                metrics.update(checkpoint.save(ctx.checkpoint_root, trainer, clock, step, version))
+            metrics.update(validator.collect(wait=step == total_steps))  # the passes that have finished
+            metrics["timing/elapsed_s"] = time.monotonic() - started
+            monitor.log(metrics, step)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", version=version, refresh=False)
+    finally:
+        syncer.close()  # pull mode: its weight files, also when the run fails
     return finish_run(ctx, clock, sink)
