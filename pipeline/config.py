@@ -48,6 +48,12 @@ class AsyncTrainingConfig:
     compute_prox_log_prob: bool = False
     """Recompute logprobs with the weights at the start of each step and use them as old_log_prob (decoupled PPO);
     needed by `algorithm.rollout_correction`."""
+    use_trainer_do_validate: bool = False
+    """Validate on a dedicated engine outside the training stream (verl: validation replicas beside the trainer),
+    which loads each validated version from the weight store; the stream's engines never see a validation request."""
+    parallel_validate_and_rollout: bool = True
+    """On the stream's engines, interleave validation with training requests (the default, so training waits
+    least); false holds a replica's new training requests until its share of the pass is done (verl's default)."""
 
 
 @dataclass
@@ -324,6 +330,11 @@ def validate(cfg: RunConfig) -> None:
         ),
         (cfg.rollout.val_kwargs.n >= 1, "rollout.val_kwargs.n must be >= 1"),
         (cfg.weight_sync.mode in ("push", "pull"), "weight_sync.mode must be 'push' or 'pull'"),
+        (
+            not at.use_trainer_do_validate or cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate",
+            "async_training.use_trainer_do_validate runs a dedicated vLLM engine: it needs "
+            "stages.generate._target_=stages.generate.VLLMGenerate",
+        ),
         (not cfg.resume or bool(cfg.trainer.run_name), "resume=true needs trainer.run_name naming the run to continue"),
         (
             cfg.rollout.total_rollout_steps >= at.require_batches * cfg.actor.ppo_mini_batch_size,

@@ -18,7 +18,7 @@ from pipeline.prepare import RunContext, prepare
 from pipeline.staleness import StalenessBudget, mode_name
 from pipeline.stream import build_stream, configure_data_context
 from pipeline.summary import FullyAsyncCounters, finish_run, step_metrics
-from pipeline.validate import Validator
+from pipeline.validate import make_validator
 from stages.sink import TrainingSink
 
 
@@ -53,7 +53,7 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
     )
     version, started, counters = ctx.start_version, time.monotonic(), FullyAsyncCounters()
     syncer = sync.make_syncer(cfg, trainer, clock, ctx.run_dir)  # push (verl) or pull (a parameter store)
-    validator = Validator(clock, ctx.val_prompts, cfg.rollout, ctx.run_dir)  # held-out prompts at sync points
+    validator = make_validator(cfg, ctx, clock, trainer)  # held-out prompts at sync points
     if cfg.trainer.val_before_train:
         validator.start(version)
     try:
@@ -72,7 +72,7 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
                 version += 1
                 metrics.update(syncer.sync(version))
                 counters.new_window()
-                validator.after_sync(version)
+                metrics.update(validator.after_sync(version))
             metrics.update(syncer.collect(wait=step == total_steps))  # pull mode: the replicas' loads, as they finish
             if cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0:  # a sync step too (config check)
                 metrics.update(checkpoint.save(ctx.checkpoint_root, trainer, clock, step, version))
@@ -82,4 +82,5 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", version=version, refresh=False)
     finally:
         syncer.close()  # pull mode: its weight files, also when the run fails
+        validator.close()
     return finish_run(ctx, clock, sink)

@@ -39,13 +39,11 @@ def _construct(spec: dict[str, Any], key: str, provided: dict[str, Any]) -> tupl
     return cls, {**{k: v for k, v in provided.items() if k in params}, **extra}
 
 
-def build_stream(
-    cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir: str, clock: tuple[str, str], version: int = 0
-):
-    """The lazy Ray Data dataset of scored samples; iterate it to run the stream. `version` labels model_dir."""
+def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], version: int) -> tuple[type, dict]:
+    """The Generate stage's class and keywords. `version` labels model_dir."""
     clock_name, namespace = clock
     ro = cfg.rollout
-    gen_cls, gen_kwargs = _construct(
+    return _construct(
         cfg.stages.generate,
         "stages.generate",
         {
@@ -67,6 +65,22 @@ def build_stream(
             else "wait",
         },
     )
+
+
+def start_validation_engine(cfg: RunConfig, model_dir: str, clock: tuple[str, str], version: int):
+    """The dedicated validation engine (async_training.use_trainer_do_validate): one Generate actor outside the
+    stream, with a CPU of its own like a stream replica."""
+    gen_cls, gen_kwargs = generate_stage(cfg, model_dir, clock, version)
+    return ray.remote(gen_cls).options(num_cpus=1).remote(**gen_kwargs, validation_only=True)
+
+
+def build_stream(
+    cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir: str, clock: tuple[str, str], version: int = 0
+):
+    """The lazy Ray Data dataset of scored samples; iterate it to run the stream. `version` labels model_dir."""
+    clock_name, namespace = clock
+    ro = cfg.rollout
+    gen_cls, gen_kwargs = generate_stage(cfg, model_dir, clock, version)
     reward_cls, reward_kwargs = _construct(cfg.stages.reward, "stages.reward", {})
     adv_cls, adv_kwargs = _construct(cfg.stages.advantage, "stages.advantage", {"group_size": ro.n})
 

@@ -95,7 +95,7 @@ class Pull:
 
     def __init__(self, trainer, clock, store: str, run_dir: Path) -> None:
         self.trainer, self.clock = trainer, clock
-        self.store = (store or f"/dev/shm/asyncrl-{Path(run_dir).name}-{os.getpid()}").rstrip("/")
+        self.store = store_root(store, run_dir)
         self.log = Path(run_dir) / "weight_loads.jsonl"
         self.pending: list[int] = []  # load messages whose acknowledgements are not all in
         self.published: list[str] = []
@@ -138,6 +138,11 @@ class Pull:
     def close(self) -> None:
         if self.store.startswith("/dev/shm/"):
             shutil.rmtree(self.store, ignore_errors=True)
+
+
+def store_root(store: str, run_dir: Path) -> str:
+    """`weight_sync.store`, or by default a directory in shared memory private to this run and driver."""
+    return (store or f"/dev/shm/asyncrl-{Path(run_dir).name}-{os.getpid()}").rstrip("/")
 
 
 def make_syncer(cfg, trainer, clock, run_dir: Path) -> Push | Pull:

@@ -7,7 +7,15 @@ requests, in the same engine. A replica handles its control messages one at a ti
 until the validation before it is done: the engine's weights cannot change under a validation request, and a
 validation result from mixed weight versions is impossible by construction (each sample also carries its
 per-token versions, and the driver refuses a pass whose tokens disagree). Training stalls only when a pass takes
-longer than the steps up to the next sync. The driver scores finished passes with the reward stage's verifiers
+longer than the steps up to the next sync. With `async_training.parallel_validate_and_rollout=false` (verl's
+default) a replica also holds its new training requests until its share is done.
+
+With `async_training.use_trainer_do_validate` the pass runs on a dedicated engine outside the stream instead
+(verl runs it on replicas beside the trainer): the trainer writes the version to the weight store, which costs it
+one file write, and the engine loads that file and validates while the stream's engines never see a validation
+request nor wait for one. It runs one pass at a time, loading between passes, so here too a pass has one version.
+
+The driver scores finished passes with the reward stage's verifiers
 and logs `val/<data_source>/reward/mean@n`, `best@n` and, for 0/1 rewards, `pass@1` and `pass@n`, with
 `val/version`; the samples go to `<run_dir>/validation/version-<v>.parquet`.
 """
@@ -17,14 +25,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from pipeline.stream import start_validation_engine
+from pipeline.sync import store_root
 from stages.reward import Reward
 
 
@@ -55,42 +67,75 @@ def val_metrics(rows: list[dict[str, Any]], n: int) -> dict[str, float]:
 class Validator:
     """Starts a validation pass after a sync when the config asks for one, and collects finished passes."""
 
-    def __init__(self, clock, prompts: pa.Table | None, rollout, run_dir: Path) -> None:
-        """`rollout`: the run's RolloutConfig (test_freq, val_kwargs, num_replicas)."""
-        self.clock, self.prompts, self.test_freq = clock, prompts, rollout.test_freq
-        self.kwargs = {**dataclasses.asdict(rollout.val_kwargs), "replicas": rollout.num_replicas}
+    def __init__(self, clock, prompts: pa.Table | None, cfg, run_dir: Path, engine=None, trainer=None) -> None:
+        """`cfg`: the RunConfig. `engine`: the dedicated validation engine, if any; the trainer then writes each
+        validated version to `weight_sync.store` for it."""
+        ro = cfg.rollout
+        self.clock, self.prompts, self.test_freq = clock, prompts, ro.test_freq
+        self.kwargs = {
+            **dataclasses.asdict(ro.val_kwargs),
+            "replicas": ro.num_replicas,
+            "parallel": cfg.async_training.parallel_validate_and_rollout,
+        }
+        self.engine, self.trainer = engine, trainer
+        self.store = f"{store_root(cfg.weight_sync.store, run_dir)}/validation"
         self.out = Path(run_dir) / "validation"
-        self.pending: list[tuple[int, int]] = []  # (message seq, version)
+        self.pending: list[tuple[Any, int]] = []  # (message seq, or the dedicated engine's ObjectRef; version)
         self.score = Reward()
 
     @property
     def enabled(self) -> bool:
         return self.prompts is not None and self.prompts.num_rows > 0
 
-    def after_sync(self, version: int) -> None:
+    def after_sync(self, version: int) -> dict[str, float]:
         if self.enabled and self.test_freq > 0 and version % self.test_freq == 0:
-            self.start(version)
+            return self.start(version)
+        return {}
 
-    def start(self, version: int) -> None:
-        """Post the held-out prompts for `version` (the version the replicas hold once they reach the message)."""
+    def start(self, version: int) -> dict[str, float]:
+        """Post the held-out prompts for `version` (the version the replicas hold once they reach the message), or
+        hand them to the dedicated engine with the version's weight file; returns what it cost the trainer."""
         if not self.enabled:
-            return
+            return {}
         rows = self.prompts.select(["prompt_id", "prompt_ids", "prompt_text", "ground_truth", "data_source"])
         message = {"kind": "validate", "version": version, "rows": rows.to_pylist(), **self.kwargs}
-        self.pending.append((ray.get(self.clock.post.remote(message)), version))
+        if self.engine is None:
+            self.pending.append((ray.get(self.clock.post.remote(message)), version))
+            return {}
+        start = time.monotonic()
+        url = f"{self.store}/version-{version:06d}.safetensors"
+        ray.get(self.trainer.publish_weights.remote(url))
+        self.pending.append((self.engine.validate_version.remote({**message, "url": url}), version))
+        return {"val/trainer_blocked_s": time.monotonic() - start}
 
     def collect(self, wait: bool = False) -> dict[str, float]:
         """Metrics of the latest pass that has finished (with `wait`: of every pass); every pass is also in
         validation/metrics.jsonl."""
         metrics: dict[str, float] = {}
         while self.pending:
-            seq, version = self.pending[0]
-            acks = ray.get(self.clock.wait_acks.remote(seq, 600.0) if wait else self.clock.acks_if_complete.remote(seq))
+            handle, version = self.pending[0]
+            acks = self._acks(handle, wait)
             if acks is None:
                 break
             self.pending.pop(0)
             metrics = self._finish(version, [row for ack in acks for row in ack["samples"]])
+            if self.engine is not None:
+                _remove(f"{self.store}/version-{version:06d}.safetensors")
         return metrics
+
+    def _acks(self, handle, wait: bool) -> list[dict[str, Any]] | None:
+        if self.engine is not None:  # the dedicated engine's ObjectRef
+            done, _ = ray.wait([handle], timeout=None if wait else 0)
+            return [ray.get(handle)] if done else None
+        clock = self.clock
+        return ray.get(clock.wait_acks.remote(handle, 600.0) if wait else clock.acks_if_complete.remote(handle))
+
+    def close(self) -> None:
+        """Remove the dedicated engine's weight files (also when the run failed)."""
+        if self.engine is not None:
+            fs, path = fsspec.core.url_to_fs(self.store)
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
 
     def _finish(self, posted: int, samples: list[dict[str, Any]]) -> dict[str, float]:
         """Score a pass and tag it with the one version all its tokens share: the one posted, or in pull mode a
@@ -109,3 +154,17 @@ class Validator:
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
         return metrics
+
+
+def make_validator(cfg, ctx, clock, trainer) -> Validator:
+    """The run's Validator; with `use_trainer_do_validate` (and held-out prompts) it starts the dedicated engine."""
+    engine = None
+    if cfg.async_training.use_trainer_do_validate and ctx.val_prompts is not None:
+        engine = start_validation_engine(cfg, str(ctx.model_dir), ctx.clock_handle, ctx.start_version)
+    return Validator(clock, ctx.val_prompts, cfg, ctx.run_dir, engine, trainer)
+
+
+def _remove(url: str) -> None:
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path)

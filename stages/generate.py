@@ -44,6 +44,10 @@ _IN_COLUMNS = [c.name for c in PROMPT_COLUMNS + GATE_COLUMNS]
 _OUT_SCHEMA = pa.schema([SAMPLE_SCHEMA.field(c) for c in _IN_COLUMNS + [c.name for c in GENERATE_COLUMNS]])
 
 
+# The `replica` of the dedicated validation engine's samples; the stream's replicas count from 0.
+VALIDATION_REPLICA = -1
+
+
 def _eos_token_id(model_dir: str) -> int:
     for name in ("generation_config.json", "config.json"):
         path = Path(model_dir) / name
@@ -71,11 +75,14 @@ class VLLMGenerate:
         pause_mode: str = "wait",
         ignore_eos: bool = False,
         initial_version: int = 0,
+        validation_only: bool = False,
     ) -> None:
+        """`validation_only`: the dedicated validation engine (async_training.use_trainer_do_validate), outside the
+        stream: it joins neither the clock nor the broadcast group, and the driver calls `validate_version`."""
         from transformers import AutoTokenizer
 
-        self.clock = ray.get_actor(clock_name, namespace=namespace)
-        self.replica = ray.get(self.clock.register_replica.remote())
+        self.clock = None if validation_only else ray.get_actor(clock_name, namespace=namespace)
+        self.replica = VALIDATION_REPLICA if validation_only else ray.get(self.clock.register_replica.remote())
         self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
         self.eos = _eos_token_id(model_dir)
         if pause_mode not in ("wait", "abort", "keep"):
@@ -87,10 +94,12 @@ class VLLMGenerate:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
-        engine_kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=seed + self.replica)
+        engine_seed = seed + (self.replica if self.replica >= 0 else 1_000_003)  # the dedicated one samples apart
+        engine_kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=engine_seed)
         self.engine = self._run(self._start_engine(engine_kwargs, initial_version))
         self.busy = EngineBusy()  # rollouter/idle_ratio: touched only on the engine loop
-        self.control = asyncio.run_coroutine_threadsafe(self._control_loop(), self.loop)
+        if not validation_only:
+            self.control = asyncio.run_coroutine_threadsafe(self._control_loop(), self.loop)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -109,6 +118,8 @@ class VLLMGenerate:
         engine = AsyncLLM.from_engine_args(args)
         await engine.update_weight_version(str(version))  # the weights in model_dir (a checkpoint's on resume)
         self.loaded, self.loaded_changed = version, asyncio.Condition()  # on the engine loop, which uses them
+        self.holding = 0  # validation passes that hold new training requests (parallel_validate_and_rollout=false)
+        self.one_pass = asyncio.Lock()  # the dedicated engine: one version's pass at a time
         return engine
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
@@ -126,7 +137,7 @@ class VLLMGenerate:
         # Pull mode: prompts admitted at a version this replica has not loaded yet wait for it (the lag bound).
         need = max(row["admitted_version"] for row in rows)
         async with self.loaded_changed:
-            await self.loaded_changed.wait_for(lambda: self.loaded >= need)
+            await self.loaded_changed.wait_for(lambda: self.loaded >= need and not self.holding)
         jobs = [self._one(row, i) for row in rows for i in range(self.n)]
         return list(await asyncio.gather(*jobs))
 
@@ -217,15 +228,36 @@ class VLLMGenerate:
         await self.engine.collective_rpc("init_weight_group", args=args)
         return {"replica": self.replica}
 
+    async def validate_version(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The dedicated engine's pass: load the version's weight file unless it holds it, then generate every row.
+        One pass at a time, so the weights cannot change under a validation request."""
+
+        async def run() -> dict[str, Any]:
+            async with self.one_pass:
+                if msg["version"] != self.loaded:
+                    await self._swap_weights(msg["version"], "load_weights_file", (msg["url"],))
+                return await self._validate(msg)
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self.loop))
+
     async def _validate(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """This replica's share of a validation pass (pipeline/validate.py); no sync can start until it is done."""
-        rows = [r for i, r in enumerate(msg["rows"]) if i % msg["replicas"] == self.replica]
-        jobs = [self._val_one(row, i, msg) for row in rows for i in range(msg["n"])]
-        return {"replica": self.replica, "samples": list(await asyncio.gather(*jobs))}
+        """This replica's share of a validation pass (pipeline/validate.py); no sync can start until it is done.
+        Unless `parallel`, training requests not yet started wait until the share is done."""
+        rows = msg["rows"] if self.clock is None else msg["rows"][self.replica :: msg["replicas"]]
+        hold = not msg["parallel"] and self.clock is not None
+        self.holding += int(hold)
+        try:
+            jobs = [self._val_one(row, i, msg) for row in rows for i in range(msg["n"])]
+            return {"replica": self.replica, "samples": list(await asyncio.gather(*jobs))}
+        finally:
+            async with self.loaded_changed:
+                self.holding -= int(hold)
+                self.loaded_changed.notify_all()
 
     async def _val_one(self, row: dict[str, Any], index: int, msg: dict[str, Any]) -> dict[str, Any]:
         sample_id = f"val-{msg['version']}/{row['prompt_id']}/{index}"
         sampling = {"temperature": msg["temperature"], "top_p": msg["top_p"]}
+        start = time.time()
         tokens, _, spans, finish = await self._segment(row["prompt_ids"], self.max_tokens, sample_id, sampling)
         return {
             "sample_id": sample_id,
@@ -236,6 +268,9 @@ class VLLMGenerate:
             "num_tokens": len(tokens),
             "token_param_version": _expand_spans(spans, len(tokens), sample_id),
             "finish_reason": finish,
+            "replica": self.replica,
+            "started_time": start,
+            "generated_time": time.time(),
         }
 
     async def _sync(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -67,6 +67,7 @@ class SimGenerate:
         self.active = 0  # requests holding a slot (wait mode drains these)
         self.decoding = 0  # requests inside a decode segment (abort/keep wait until these stop)
         self.busy = EngineBusy()
+        self.holding = 0  # validation shares that hold new requests (parallel_validate_and_rollout=false)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         require_columns(batch, _IN_COLUMNS, "SimGenerate")
@@ -78,7 +79,7 @@ class SimGenerate:
         # Pull mode: prompts admitted at a version this replica has not loaded yet wait for it (the lag bound).
         need = max(row["admitted_version"] for row in rows)
         async with self.state:
-            await self.state.wait_for(lambda: self.version >= need)
+            await self.state.wait_for(lambda: self.version >= need and not self.holding)
         return list(await asyncio.gather(*(self._one(row, i) for row in rows for i in range(self.n))))
 
     async def _one(self, row: dict[str, Any], index: int) -> dict[str, Any]:
@@ -175,10 +176,16 @@ class SimGenerate:
 
     async def _validate(self, msg: dict[str, Any]) -> dict[str, Any]:
         """This replica's share of a validation pass; no sync can start until it is done (pipeline/validate.py)."""
-        rows = [r for i, r in enumerate(msg["rows"]) if i % msg["replicas"] == self.replica]
+        rows = msg["rows"][self.replica :: msg["replicas"]]
         ids = [f"val-{msg['version']}/{row['prompt_id']}/{i}" for row in rows for i in range(msg["n"])]
         totals = [self.work.units(self.work.response_length(sid, self.max_tokens)) for sid in ids]
-        done = await asyncio.gather(*(self._generate(total) for total in totals))
+        self.holding += int(not msg["parallel"])
+        try:
+            done = await asyncio.gather(*(self._generate(total) for total in totals))
+        finally:
+            async with self.state:
+                self.holding -= int(not msg["parallel"])
+                self.state.notify_all()
         samples = [
             {
                 "sample_id": sid,

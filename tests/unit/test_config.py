@@ -83,6 +83,15 @@ def test_sim_section_and_backend_are_checked():
         load_config(CONF_DIR / "sim" / "toy.yaml", ["trainer.save_freq=2"])
 
 
+def test_verl_validation_keys():
+    cfg = load_config(None, ["async_training.use_trainer_do_validate=true"])
+    assert cfg.async_training.use_trainer_do_validate and cfg.async_training.parallel_validate_and_rollout
+    with pytest.raises(ConfigError, match=r"_and_rolout.*Did you mean 'parallel_validate_and_rollout'"):
+        load_config(None, ["async_training.parallel_validate_and_rolout=false"])
+    with pytest.raises(ConfigError, match="use_trainer_do_validate runs a dedicated vLLM engine"):
+        load_config(CONF_DIR / "sim" / "toy.yaml", ["async_training.use_trainer_do_validate=true"])
+
+
 @pytest.mark.parametrize(
     ("config", "fits"),
     [

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.config import RolloutConfig
+from pipeline.config import RolloutConfig, RunConfig
 from pipeline.validate import Validator, pass_at_k, val_metrics
 
 
@@ -30,7 +30,7 @@ def test_metrics_per_data_source():
 
 
 def test_a_pass_with_mixed_versions_is_refused(tmp_path):
-    validator = Validator(None, None, RolloutConfig(test_freq=1), tmp_path)
+    validator = Validator(None, None, RunConfig(rollout=RolloutConfig(test_freq=1)), tmp_path)
     sample = {"sample_id": "val-3/x/0", "prompt_id": "x", "data_source": "reverse", "ground_truth": "a"}
     sample |= {"response_text": "a", "num_tokens": 2, "finish_reason": "stop"}
     assert validator._finish(3, [{**sample, "token_param_version": [3, 3]}])["val/reverse/reward/mean@1"] == 1.0
