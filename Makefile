@@ -30,13 +30,14 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
-# The benchmarks of docs/benchmarks.md, one after the other (about 17 minutes on 2 cores); each prints its table last.
+# The benchmarks of docs/benchmarks.md, one after the other (about 23 minutes on 2 cores); each prints its table last.
 bench: install
 	$(PY) -m bench.modes
 	$(PY) -m bench.overhead
 	$(PY) -m bench.weight_sync
 	$(PY) -m bench.learning
 	$(PY) -m bench.pull
+	$(PY) -m bench.validation
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
