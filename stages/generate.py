@@ -1,6 +1,6 @@
 """Generate: n responses per prompt from an async vLLM engine that takes weight updates mid-stream.
 
-Input columns:  prompt_id, prompt_text, prompt_ids, ground_truth, data_source, agent_name, admitted_version,
+Input columns:  prompt_id, prompt_text, prompt_ids, ground_truth, data_source, agent_name (optional), admitted_version,
                 admitted_time
 Output columns: input columns, repeated for each of the n responses (the group stays in one block), plus
                 sample_id, response_ids, response_text, response_logprobs, token_param_version, param_version,
@@ -124,7 +124,9 @@ class VLLMGenerate:
         return engine
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
-        require_columns(batch, _IN_COLUMNS, "VLLMGenerate")
+        require_columns(batch, [c for c in _IN_COLUMNS if c != "agent_name"], "VLLMGenerate")
+        if "agent_name" not in batch.column_names:  # optional: hand-built batches get the default loop
+            batch = batch.append_column("agent_name", pa.nulls(batch.num_rows, pa.string()))
         rows = batch.select(_IN_COLUMNS).to_pylist()
         for row in rows:  # an out-of-range id kills the engine core: refuse it here, by name
             bad = [t for t in row["prompt_ids"] if not 0 <= t < self.vocab_size]
@@ -145,12 +147,12 @@ class VLLMGenerate:
     async def _one(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         sample_id = f"{row['prompt_id']}/{index}"
         start = time.time()
-        traj = await self._agent(row["agent_name"] or self.default_agent_loop).run(
-            [int(t) for t in row["prompt_ids"]], sample_id
-        )
+        agent = row["agent_name"] or self.default_agent_loop
+        traj = await self._agent(agent).run([int(t) for t in row["prompt_ids"]], sample_id)
         tokens, versions = traj.tokens, traj.versions
         return {
             **row,
+            "agent_name": agent,
             "sample_id": sample_id,
             "response_ids": tokens,
             "response_text": self.tokenizer.decode(tokens, skip_special_tokens=True),
