@@ -16,6 +16,12 @@ The tokenizer is trained on whole demonstrations, so the call's fixed parts (`<t
 become a handful of tokens; digits stay one token each (Qwen2's pre-tokenizer splits them), which keeps copying a
 token-by-token lookup. The warm start (pipeline/warmstart.py) trains on the demonstration with the tool's result
 masked out, as the RL loss masks it.
+
+Room for RL comes from label smoothing, as in the reversal task, but far less of it (conf/multi_turn.yaml: 0.05, not
+0.5): a usable response needs about 35 sampled tokens right in a row (the call's JSON, the expression, the copied
+digits, EOS), so per-token mass 0.5 off the right token leaves almost no well-formed call (measured: reward 0.00 for
+the first 10 steps). With 0.05 and 400 steps at lr 3e-3 (measured on 16 held-out prompts): greedy answers 16/16
+right, sampled ones 0.20 (29% well-formed calls); RL concentrates the mass.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ States, as in verl's ToolAgentLoop: PENDING -> GENERATING -> PROCESSING_TOOLS ->
 - Between states the loop checks for a sync under way and waits for its end, so it never submits a request or
   appends a result mid-sync (verl could only interrupt in GENERATING).
 
+Without partial rollout the engine drains its requests at a sync, not whole trajectories: a trajectory between two
+turns at a sync continues with the new weights (its later tokens say so), within the staleness bound the sink
+enforces on its oldest token.
+
 `num_resumes` counts the syncs the trajectory lived through: aborts of its requests plus syncs that happened while
 its tools ran or between its turns. Every turn is recorded (`agent_turns`): its token range, and for tool turns the
 tool, its arguments, the result, the latency and the error.
