@@ -275,8 +275,14 @@ class VLLMGenerate:
         return await self._swap_weights(version, "load_weights_file", (url,))
 
     async def _swap_weights(self, version: int, rpc: str, args: tuple) -> dict[str, Any]:
-        t0 = time.monotonic()
         self.running.clear()
+        try:
+            return await self._paused_swap(version, rpc, args)
+        finally:  # also on a failed swap: a loop waiting for the sync's end must not wait forever
+            self.running.set()
+
+    async def _paused_swap(self, version: int, rpc: str, args: tuple) -> dict[str, Any]:
+        t0 = time.monotonic()
         # `keep` continues the frozen requests over their KV cache, which must therefore survive the pause.
         await self.engine.pause_generation(mode=self.pause_mode, clear_cache=self.pause_mode != "keep")
         self.busy.pause()  # after the drain: in `wait` mode the engine works until pause_generation returns
@@ -289,7 +295,6 @@ class VLLMGenerate:
         async with self.loaded_changed:
             self.loaded = version
             self.loaded_changed.notify_all()
-        self.running.set()
         times = {"pause_s": t1 - t0, "transfer_s": t2 - t1, "resume_s": time.monotonic() - t2}
         return {"replica": self.replica, "version": version, "loaded_at": time.time(), **times, **self.busy.report()}
 
