@@ -79,6 +79,7 @@ def audit(run_dir: str | Path) -> AuditReport:
         ),
         _partial_span(joined, budget.lag_bound),
         _monotone_versions(samples),
+        _per_token_columns(samples),
         _exactly_once(consumed),
     ]
     report.checks.append(_admissions(admitted, consumed, report))
@@ -93,6 +94,25 @@ def _monotone_versions(samples: pa.Table) -> Check:
         if versions and (any(b < a for a, b in zip(versions, versions[1:], strict=False)) or versions[0] != oldest):
             bad += 1
     return Check("token versions never decrease", bad == 0, f"{bad} of {samples.num_rows} responses violate it")
+
+
+def _per_token_columns(samples: pa.Table) -> Check:
+    """Every per-token column has num_tokens entries, and masked tokens (an agent loop's tool results) carry
+    logprob 0: the trainer's response_mask then drops exactly them, and their versions stay in the lag bound."""
+    columns = ["response_ids", "response_logprobs", "token_param_version", "response_mask"]
+    bad = masked = 0
+    rows = zip(samples["num_tokens"].to_pylist(), *(samples[c].to_pylist() for c in columns), strict=True)
+    for n, ids, logprobs, versions, mask in rows:
+        lined_up = len(ids) == len(logprobs) == len(versions) == len(mask) == n
+        zeros = [i for i, m in enumerate(mask or []) if m == 0]
+        masked += len(zeros)
+        if not lined_up or any(logprobs[i] != 0.0 for i in zeros):
+            bad += 1
+    return Check(
+        "per-token columns line up",
+        bad == 0,
+        f"{bad} of {samples.num_rows} responses violate it; {masked} masked (tool) tokens",
+    )
 
 
 def _partial_span(joined: pa.Table, bound: int) -> Check:

@@ -109,6 +109,32 @@ class ValKwargs:
 
 
 @dataclass
+class AgentConfig:
+    default_agent_loop: str = "single_turn_agent"
+    """Agent loop (stages/agents) of prompts whose data has no `agent_name`: 'single_turn_agent' or 'tool_agent'."""
+
+
+@dataclass
+class MultiTurnConfig:
+    max_assistant_turns: int = 4
+    """Model turns per trajectory in tool_agent."""
+    max_user_turns: int = 4
+    """Tool-result turns per trajectory in tool_agent."""
+    max_parallel_calls: int = 1
+    """Tool calls of one assistant turn that are run; later ones are dropped."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's result handed back to the model (the rest is cut)."""
+    tools: list[str] = field(default_factory=lambda: ["calculator", "python"])
+    """Tools the model may call (stages/tools)."""
+    sandbox_timeout_s: float = 5.0
+    """Wall-clock limit of one python tool call."""
+    sandbox_memory_mb: int = 256
+    """Address-space limit of the python tool's process (RLIMIT_AS)."""
+    sandbox_cpu_s: int = 2
+    """CPU-time limit of the python tool's process (RLIMIT_CPU)."""
+
+
+@dataclass
 class RolloutConfig:
     n: int = 8
     """Responses per prompt (the GRPO group size)."""
@@ -130,6 +156,10 @@ class RolloutConfig:
     """Validate on data.val_files every this many weight versions, right after the sync (-1: never)."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     """Sampling of validation responses."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Which agent loop generates a prompt's responses (verl's `rollout.agent`)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """tool_agent's limits and tools (verl's `rollout.multi_turn`)."""
 
 
 @dataclass
@@ -142,6 +172,9 @@ class DataConfig:
     """max_tokens per response."""
     num_embedded_prompts: int = 2000
     """Size of the generated embedded data set."""
+    embedded_task: str = "reverse"
+    """Which embedded task: 'reverse' (letter lists) or 'calc' (multi-turn: multiplication through the calculator
+    tool, pipeline/embedded_calc.py)."""
     val_files: str = ""
     """Held-out prompts for validation (parquet or jsonl, flat or verl format), 'embedded' for the embedded
     task's held-out set, or empty for no validation."""
@@ -329,6 +362,9 @@ def validate(cfg: RunConfig) -> None:
             "file, or 'embedded' with the embedded task",
         ),
         (cfg.rollout.val_kwargs.n >= 1, "rollout.val_kwargs.n must be >= 1"),
+        (cfg.data.embedded_task in ("reverse", "calc"), "data.embedded_task must be 'reverse' or 'calc'"),
+        *_multi_turn_checks(cfg.rollout.multi_turn),
+        *_agent_checks(cfg.rollout.agent.default_agent_loop),
         (cfg.weight_sync.mode in ("push", "pull"), "weight_sync.mode must be 'push' or 'pull'"),
         (
             not at.use_trainer_do_validate or cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate",
@@ -347,6 +383,30 @@ def validate(cfg: RunConfig) -> None:
     monitor_names(cfg.trainer.monitor)
     for name in ("generate", "reward", "advantage"):
         stage_kwargs(getattr(cfg.stages, name), f"stages.{name}")
+
+
+def _multi_turn_checks(mt: MultiTurnConfig) -> list[tuple[bool, str]]:
+    from stages.tools import TOOL_NAMES  # names only: imports no tool code
+
+    key = "rollout.multi_turn"
+    unknown_tools = [t for t in mt.tools if t not in TOOL_NAMES]
+    counts = ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length")
+    checks = [(getattr(mt, name) >= 1, f"{key}.{name} must be >= 1") for name in counts]
+    return checks + [
+        (not unknown_tools, f"{key}.tools has unknown tool(s) {unknown_tools}; available: {', '.join(TOOL_NAMES)}"),
+        (mt.sandbox_timeout_s > 0 and mt.sandbox_cpu_s >= 1, f"{key}.sandbox_timeout_s and sandbox_cpu_s must be > 0"),
+        (mt.sandbox_memory_mb >= 64, f"{key}.sandbox_memory_mb must be >= 64 (the interpreter itself needs ~30 MiB)"),
+    ]
+
+
+def _agent_checks(name: str) -> list[tuple[bool, str]]:
+    from stages.agents import UnknownAgentError, check_agent_name  # names only: imports no engine code
+
+    try:
+        check_agent_name(name, "rollout.agent.default_agent_loop")
+    except UnknownAgentError as err:
+        return [(False, str(err))]
+    return []
 
 
 def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:

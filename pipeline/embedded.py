@@ -90,8 +90,9 @@ def make_rows(num: int, seed: int) -> list[dict]:
     return rows
 
 
-def build_tokenizer(out_dir: Path, seed: int):
-    """Train a byte-level BPE on task text and save it as a transformers fast tokenizer in out_dir."""
+def build_tokenizer(out_dir: Path, seed: int, corpus: list[str] | None = None):
+    """Train a byte-level BPE on task text (`corpus`, default the reversal task's) and save it as a transformers fast
+    tokenizer in out_dir."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -115,9 +116,10 @@ def build_tokenizer(out_dir: Path, seed: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable, nothing maps to <unk>
         show_progress=False,
     )
-    corpus = [f"{r['prompt_text']} {r['ground_truth']}" for r in make_rows(TOKENIZER_CORPUS_ROWS, seed)]
-    # Every letter in every slot: guarantees the ' x' merge for all 26 letters whatever the seed.
-    corpus.append(format_prompt(list(LETTERS)))
+    if corpus is None:
+        corpus = [f"{r['prompt_text']} {r['ground_truth']}" for r in make_rows(TOKENIZER_CORPUS_ROWS, seed)]
+        # Every letter in every slot: guarantees the ' x' merge for all 26 letters whatever the seed.
+        corpus.append(format_prompt(list(LETTERS)))
     tok.train_from_iterator(corpus, trainer=trainer)
     assert tok.token_to_id(EOS_TOKEN) == EOS_ID and tok.token_to_id(PAD_TOKEN) == PAD_ID
     hf_tok = PreTrainedTokenizerFast(
@@ -155,26 +157,34 @@ def build_model(out_dir: Path, vocab_size: int, seed: int) -> None:
 
 
 def write_rows(rows: list[dict], path: Path) -> None:
-    """Write prompt rows as parquet with the three prompt columns the source reads."""
+    """Write prompt rows as parquet with the prompt columns the source reads (agent_name when the rows have it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    columns = ("prompt_text", "ground_truth", "data_source")
+    columns = ("prompt_text", "ground_truth", "data_source") + (("agent_name",) if "agent_name" in rows[0] else ())
     pq.write_table(pa.table({key: pa.array([r[key] for r in rows], pa.string()) for key in columns}), path)
 
 
-def build_embedded(run_dir: Path, num_prompts: int, seed: int, num_val_prompts: int = 64) -> EmbeddedTask:
+def build_embedded(
+    run_dir: Path, num_prompts: int, seed: int, num_val_prompts: int = 64, task: str = "reverse"
+) -> EmbeddedTask:
     """Build tokenizer + model into run_dir/model, the prompts into run_dir/data/train.parquet and held-out ones
-    into run_dir/data/val.parquet."""
+    into run_dir/data/val.parquet. `task`: 'reverse' (this module) or 'calc' (pipeline/embedded_calc.py)."""
+    from pipeline import embedded_calc
+
+    if task not in ("reverse", "calc"):
+        raise ValueError(f"data.embedded_task must be 'reverse' or 'calc', not {task!r}")
+    rows_of = make_rows if task == "reverse" else embedded_calc.make_rows
     run_dir = Path(run_dir)
     model_dir = run_dir / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(model_dir, seed)
+    corpus = embedded_calc.corpus(TOKENIZER_CORPUS_ROWS, seed) if task == "calc" else None
+    tokenizer = build_tokenizer(model_dir, seed, corpus)
     build_model(model_dir, len(tokenizer), seed)
     data_file = run_dir / "data" / "train.parquet"
     # A different stream from the tokenizer corpus (seed + 1): the data set is not the BPE training text.
-    train = make_rows(num_prompts, seed + 1)
+    train = rows_of(num_prompts, seed + 1)
     write_rows(train, data_file)
     # Held out: a third stream, without any prompt of the training set (short lists repeat).
     seen = {r["prompt_text"] for r in train}
-    val = [r for r in make_rows(4 * num_val_prompts, seed + 2) if r["prompt_text"] not in seen]
+    val = [r for r in rows_of(4 * num_val_prompts, seed + 2) if r["prompt_text"] not in seen]
     write_rows(list({r["prompt_text"]: r for r in val}.values())[:num_val_prompts], run_dir / "data" / "val.parquet")
     return EmbeddedTask(model_dir=model_dir, data_file=data_file, val_file=run_dir / "data" / "val.parquet")

@@ -135,10 +135,19 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> tuple[Path, str]:
     from pipeline.embedded import build_embedded
     from pipeline.warmstart import warm_start
 
-    task = build_embedded(run_dir, cfg.data.num_embedded_prompts, cfg.trainer.seed, cfg.data.num_embedded_val_prompts)
+    d = cfg.data
+    task = build_embedded(
+        run_dir, d.num_embedded_prompts, cfg.trainer.seed, d.num_embedded_val_prompts, d.embedded_task
+    )
     if cfg.model.warm_start_steps > 0:
+        m = cfg.model
         stats = warm_start(
-            task.model_dir, task.data_file, cfg.model.warm_start_steps, cfg.model.warm_start_lr, cfg.trainer.seed
+            task.model_dir,
+            task.data_file,
+            m.warm_start_steps,
+            m.warm_start_lr,
+            cfg.trainer.seed,
+            smoothing=m.warm_start_smoothing,
         )
         print(f"asyncrl: warm start {cfg.model.warm_start_steps} steps, {stats}", flush=True)
     data = str(task.data_file) if cfg.data.train_files == "embedded" else cfg.data.train_files
@@ -251,7 +260,7 @@ def prepare(cfg: RunConfig) -> RunContext:
         if cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate":
             check_context(cfg, model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length)
+        prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length, cfg.rollout.agent.default_agent_loop)
         val_prompts = load_val_prompts(cfg, run_dir, tokenizer)
         skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()
         ro = cfg.rollout

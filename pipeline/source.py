@@ -9,7 +9,9 @@ the row, the column and the fix. Two formats are read as they are, told apart by
   `extra_info` and any other column are ignored. The messages are rendered as verl renders them, with the
   model's chat template and its generation prompt.
 
-A file with `prompt_text` is read as flat even if it also has `prompt`. Either way prompts are tokenized without
+Either format may have an `agent_name` column (verl's name for it) choosing the agent loop of each row
+(stages/agents); where it is missing or null, `rollout.agent.default_agent_loop` applies. A file with `prompt_text`
+is read as flat even if it also has `prompt`. Either way prompts are tokenized without
 added special tokens (a chat template writes its own), and a number as ground truth becomes its string.
 
 The stream then repeats the data over epochs (a fresh shuffle per epoch, seeded) until
@@ -32,6 +34,7 @@ import pyarrow.parquet as pq
 
 from schemas import END_OF_STREAM
 from schemas.sample import PROMPT_COLUMNS
+from stages.agents import UnknownAgentError, check_agent_name
 
 REQUIRED = ("prompt_text", "ground_truth", "data_source")
 VERL_REQUIRED = ("prompt", "data_source", "reward_model")
@@ -163,12 +166,27 @@ def _verl_row(row: dict[str, Any], where: str, tokenizer) -> dict[str, str]:
     return _flat_row({"prompt_text": text, "ground_truth": truth, "data_source": row["data_source"]}, where)
 
 
-def load_prompts(path: str, tokenizer, max_prompt_length: int) -> pa.Table:
-    """Validated prompts with token ids: prompt_text, prompt_ids, ground_truth, data_source, row."""
+def agent_names(table: pa.Table, path: str, default: str) -> list[str]:
+    """Each row's agent loop: its `agent_name` (either format, as verl's agent datasets have it), else `default`."""
+    names = table["agent_name"].to_pylist() if "agent_name" in table.column_names else [None] * table.num_rows
+    out = []
+    for i, name in enumerate(names):
+        try:
+            out.append(check_agent_name(name or default, f"data file {path}, row {i}, column 'agent_name'"))
+        except UnknownAgentError as err:
+            raise PromptDataError(str(err)) from None
+    return out
+
+
+def load_prompts(
+    path: str, tokenizer, max_prompt_length: int, default_agent_loop: str = "single_turn_agent"
+) -> pa.Table:
+    """Validated prompts with token ids: prompt_text, prompt_ids, ground_truth, data_source, agent_name, row."""
     table = read_prompt_file(path)
     required = _required_columns(table, path)
     if table.num_rows == 0:
         raise PromptDataError(f"data file {path} has no rows.")
+    agents = agent_names(table, path, default_agent_loop)
     rows = []
     for i, row in enumerate(table.select(list(required)).to_pylist()):
         where = f"data file {path}, row {i}"
@@ -188,6 +206,7 @@ def load_prompts(path: str, tokenizer, max_prompt_length: int) -> pa.Table:
             "prompt_ids": pa.array(ids, _TYPES["prompt_ids"]),
             "ground_truth": pa.array([r["ground_truth"] for r in rows], pa.string()),
             "data_source": pa.array([r["data_source"] for r in rows], pa.string()),
+            "agent_name": pa.array(agents, pa.string()),
             "row": pa.array(range(len(rows)), pa.int64()),
         }
     )

@@ -59,6 +59,8 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
             "kv_cache_gb": ro.kv_cache_gb,
             "seed": cfg.trainer.seed,
             "sim": dataclasses.asdict(cfg.sim),  # for the simulated engine
+            "default_agent_loop": ro.agent.default_agent_loop,
+            "multi_turn": dataclasses.asdict(ro.multi_turn),
             # verl: partial rollout only takes effect with staleness; otherwise in-flight requests drain at a sync
             "pause_mode": cfg.async_training.partial_rollout_mode
             if cfg.async_training.partial_rollout and cfg.async_training.staleness_threshold > 0

@@ -3,7 +3,8 @@
 A random-init model never ends an answer with EOS nor writes the letters in order, so every GRPO group
 would score ~0 and carry no gradient. The warm start trains on `prompt + " " + answer + eos` (loss on the
 answer and EOS only: the prompt letters are random, predicting them would waste capacity) until the model
-has the reversal circuit, i.e. its greedy answer is mostly right.
+has the reversal circuit, i.e. its greedy answer is mostly right. The multi-turn task (pipeline/embedded_calc.py)
+trains on its whole demonstration, tool call, tool result and answer, with no loss on the tool's result.
 
 It does so with label smoothing 0.5, which is what leaves room for RL. Measured with the learnability check
 (8 prompts x 8 samples per step, 2 CPU cores):
@@ -25,6 +26,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from pipeline import embedded_calc
+
 # Measured on an idle 2-core box: 45 ms/step with 2 threads, 71 ms with 1 (500 steps: ~23 s). It runs before
 # the stream starts, so it may take both cores.
 WARM_START_THREADS = min(2, os.cpu_count() or 1)
@@ -32,26 +35,44 @@ WARMUP_FRACTION = 0.1
 LABEL_SMOOTHING = 0.5
 
 
-def encode_examples(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + EOS) per row; tokenized apart, as the pipeline tokenizes prompts."""
+def demonstration(row: dict) -> list[tuple[str | None, bool]]:
+    """The response to train on as (text, trained) pieces, None standing for EOS; by the row's task."""
+    if row.get("data_source") == embedded_calc.DATA_SOURCE:
+        return embedded_calc.demonstration(row)
+    return [(" " + row["ground_truth"], True), (None, True)]
+
+
+def encode_examples(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int], list[bool]]]:
+    """(prompt ids, response ids, which response ids are trained) per row.
+
+    Each piece is tokenized apart, as the pipeline tokenizes prompts and as an agent loop tokenizes the text it
+    appends, so the model trains on the token boundaries it will see."""
     examples = []
     for row in rows:
         prompt = tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
-        answer = tokenizer(" " + row["ground_truth"], add_special_tokens=False)["input_ids"]
-        examples.append((prompt, answer + [tokenizer.eos_token_id]))
+        response: list[int] = []
+        trained: list[bool] = []
+        for text, train in demonstration(row):
+            ids = [tokenizer.eos_token_id] if text is None else tokenizer(text, add_special_tokens=False)["input_ids"]
+            response += ids
+            trained += [train] * len(ids)
+        examples.append((prompt, response, trained))
     return examples
 
 
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input ids, attention mask and labels (-100 on prompt and padding), labels unshifted."""
-    width = max(len(p) + len(a) for p, a in examples)
+def collate(examples: list[tuple[list[int], list[int], list[bool]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (-100 on prompt, untrained pieces and padding),
+    labels unshifted."""
+    width = max(len(p) + len(a) for p, a, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, (prompt, answer) in enumerate(examples):
+    for i, (prompt, answer, trained) in enumerate(examples):
         n = len(prompt) + len(answer)
         ids[i, :n] = torch.tensor(prompt + answer)
-        labels[i, len(prompt) : n] = torch.tensor(answer)
+        target = torch.tensor(answer)
+        target[~torch.tensor(trained, dtype=torch.bool)] = -100
+        labels[i, len(prompt) : n] = target
         mask[i, :n] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 

@@ -5,7 +5,8 @@ A row is one trajectory (one of the `rollout.n` responses to a prompt). The rows
 
 Invariants:
 - `response_ids`, `response_logprobs`, `token_param_version` and `response_mask` have the same length,
-  `num_tokens`.
+  `num_tokens`. Tokens an agent loop appended (tool results) have mask 0, logprob 0.0 and the weight version
+  current when they were appended (never older than the token before them).
 - `param_version` is the oldest entry of `token_param_version` (the weights that started the response);
   `param_version_end` the newest. They differ only for partial rollouts.
 - A sample's lag is `consumed_version - param_version`; the run's config bounds it (pipeline.staleness).
@@ -30,6 +31,22 @@ def _col(name: str, type_: pa.DataType, doc: str) -> Column:
     return Column(name, type_, doc)
 
 
+# One turn of an agent loop (stages/agents). Tokens [token_start, token_end) of the response belong to the turn;
+# the tool fields are null on assistant turns, `error` null when the turn went well.
+AGENT_TURN = pa.struct(
+    [
+        pa.field("turn", pa.int32()),  # index of the turn in the trajectory
+        pa.field("role", pa.string()),  # 'assistant' or 'tool'
+        pa.field("token_start", pa.int32()),
+        pa.field("token_end", pa.int32()),
+        pa.field("tool_name", pa.string()),
+        pa.field("arguments", pa.string()),  # the call's arguments as JSON text
+        pa.field("result", pa.string()),  # the text handed back to the model
+        pa.field("latency_s", pa.float64()),  # generation time of an assistant turn, run time of a tool call
+        pa.field("error", pa.string()),
+    ]
+)
+
 # Columns of a prompt row, as the source emits it.
 PROMPT_COLUMNS = (
     _col("prompt_id", pa.string(), "unique id of the prompt admission (epoch and row); one GRPO group"),
@@ -37,6 +54,11 @@ PROMPT_COLUMNS = (
     _col("prompt_ids", pa.list_(pa.int32()), "prompt token ids, validated against the vocabulary"),
     _col("ground_truth", pa.string(), "reference answer the verifier compares against"),
     _col("data_source", pa.string(), "task name; selects the verifier"),
+    _col(
+        "agent_name",
+        pa.string(),
+        "agent loop that generates the responses (stages/agents); from the data, else rollout.agent.default_agent_loop",
+    ),
 )
 
 # Added by the StalenessGate.
@@ -56,11 +78,18 @@ GENERATE_COLUMNS = (
     _col("param_version_end", pa.int64(), "newest token version"),
     _col("response_mask", pa.list_(pa.int8()), "1 where the token is trained on, 0 for masked tokens"),
     _col("num_tokens", pa.int32(), "number of response tokens"),
-    _col("num_resumes", pa.int32(), "times the response was interrupted by a weight sync and resumed"),
-    _col("finish_reason", pa.string(), "'stop' (EOS) or 'length' (hit max_tokens)"),
+    _col(
+        "num_resumes", pa.int32(), "times a weight sync interrupted the response (mid-generation or during a tool call)"
+    ),
+    _col("finish_reason", pa.string(), "'stop' (EOS, or an agent loop ended) or 'length' (hit max_tokens)"),
     _col("replica", pa.int32(), "index of the Generate replica that produced the response"),
     _col("generated_time", pa.float64(), "when the last token was produced (s since epoch)"),
     _col("gen_latency_s", pa.float64(), "wall time from the engine accepting the prompt to the last token"),
+    _col(
+        "agent_turns",
+        pa.list_(AGENT_TURN),
+        "one record per turn of the agent loop (assistant turns, tool calls); empty for single_turn",
+    ),
 )
 
 # Added by Reward and Advantage.

@@ -1,6 +1,7 @@
 """SimGenerate: the Generate stage with a simulated engine that spends time instead of compute.
 
-Input columns:  prompt_id, prompt_text, prompt_ids, ground_truth, data_source, admitted_version, admitted_time
+Input columns:  prompt_id, prompt_text, prompt_ids, ground_truth, data_source, agent_name, admitted_version,
+                admitted_time
 Output columns: the same as stages.generate.VLLMGenerate (the two are swapped in conf/ with `stages.generate`)
 
 The engine model is pipeline.workload.Workload: `slots` sequences at once, a prefill, then a fixed time per token.
@@ -99,6 +100,7 @@ class SimGenerate:
             "response_mask": [1] * total,
             "num_tokens": total,
             "num_resumes": resumes,
+            "agent_turns": [],
             "finish_reason": "length" if total == self.work.units(self.max_tokens) else "stop",
             "replica": self.replica,
             "generated_time": time.time(),

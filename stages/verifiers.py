@@ -46,7 +46,26 @@ def score_reverse(response_text: str, ground_truth: str) -> float:
     return prefix / max(len(response), len(truth))
 
 
+def score_calc(response_text: str, ground_truth: str) -> float:
+    """Score the embedded multi-turn task (pipeline/embedded_calc.py): 1.0 when the number after the last tool
+    response is the product, else 0.0.
+
+    Only an answer given after a tool response counts, and only an exact one: with credit for leading digits, the
+    measured policy learned to skip the tool and guess the first digits of the product (a 0.6 for '111' against
+    11187), which is exactly what the task must not reward."""
+    if (
+        not isinstance(response_text, str)
+        or not isinstance(ground_truth, str)
+        or "</tool_response>" not in response_text
+    ):
+        return 0.0
+    answer = _items(response_text.rsplit("</tool_response>", 1)[-1])
+    return 1.0 if answer and answer[0] == ground_truth.strip() else 0.0
+
+
 # The math sets under the data_source names verl's preprocessing scripts write.
 MATH_SOURCES = ("gsm8k", "openai/gsm8k", "math", "lighteval/MATH", "math_dapo")
 
-VERIFIERS: dict[str, Callable[[str, str], float]] = {"reverse": score_reverse} | dict.fromkeys(MATH_SOURCES, score_math)
+VERIFIERS: dict[str, Callable[[str, str], float]] = {"reverse": score_reverse, "calc": score_calc} | dict.fromkeys(
+    MATH_SOURCES, score_math
+)

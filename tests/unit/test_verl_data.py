@@ -83,7 +83,8 @@ def test_chat_template_renders_the_messages(tmp_path, chat):
     assert table.column("prompt_ids")[0].as_py() == chat(text, add_special_tokens=False)["input_ids"]
     assert table.column("ground_truth").to_pylist() == ["6"]
     assert table.column("data_source").to_pylist() == ["openai/gsm8k"]
-    assert table.column_names == ["prompt_text", "prompt_ids", "ground_truth", "data_source", "row"]
+    assert table.column_names == ["prompt_text", "prompt_ids", "ground_truth", "data_source", "agent_name", "row"]
+    assert table.column("agent_name").to_pylist() == ["single_turn_agent"]  # no agent_name column: the default
 
 
 def test_without_chat_template_the_contents_are_joined(tmp_path, plain):
