@@ -91,8 +91,8 @@ class MegatronRank:
         self.model = self._build(seed)
         self._load()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.clip, self.agg, self.grad_clip, self.micro = (clip_ratio_low, clip_ratio_high), loss_agg_mode, grad_clip, micro_batch_size
+        self.optimizer = self._optimizer(lr, weight_decay)
         self.pad = json.loads((self.model_dir / "config.json").read_text()).get("pad_token_id") or 0
 
     def _build(self, seed: int):
@@ -139,8 +139,27 @@ class MegatronRank:
             position_embedding_type="rope",
             rotary_base=s.rope_theta,
         ).to(self.device)
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=self.cuda)
         return DistributedDataParallel(config, ddp, model)
+
+    def _optimizer(self, lr: float, weight_decay: float):
+        """torch AdamW on CPU; on GPU megatron's distributed optimizer with the same hyper-parameters and clip."""
+        if not self.cuda:
+            return torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_eps=1e-8,
+            clip_grad=self.grad_clip,
+            use_distributed_optimizer=True,
+            params_dtype=torch.float32,
+        )
+        return get_megatron_optimizer(config, [self.model])
 
     @torch.no_grad()
     def _load(self) -> None:
@@ -198,8 +217,9 @@ class MegatronRank:
         keys = ("loss", "grad_norm", "clipped", "ratio", "kl", "tokens")
         totals = dict.fromkeys(keys, 0.0)
         anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"]) if recompute else None for mb in minibatches]
+        update = self._update_cuda if self.cuda else self._update
         for mb, anchor in zip(minibatches, anchors, strict=True):
-            stats = self._update(mb, anchor)
+            stats = update(mb, anchor)
             for key in keys:
                 totals[key] += stats[key]
         n, tokens = len(minibatches), totals["tokens"]
@@ -239,6 +259,50 @@ class MegatronRank:
             p.grad = p.main_grad.to(p.dtype)
         out["grad_norm"] = self._clip_grads()
         self.optimizer.step()
+        return out
+
+    def _update_cuda(self, mb: dict[str, list], anchor: list | None) -> dict[str, float]:
+        """Unverified here (no GPU): megatron's schedule drives the micro-batches, its optimizer clips and steps."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rows = len(mb["response_ids"])
+        masks = [np.asarray(m, dtype=np.float32) for m in mb["response_mask"]]
+        old_rows = anchor if anchor is not None else mb["response_logprobs"]
+        num_tokens = float(sum(m.sum() for m in masks))
+        denominator = max(num_tokens, 1.0) if self.agg == "token-mean" else float(rows)
+        slices = [slice(lo, lo + self.micro) for lo in range(0, rows, self.micro)]
+        out = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "tokens": num_tokens}
+
+        def forward_step(data_iterator, model):
+            sl = next(data_iterator)
+            logp, mask = self._token_logprobs(mb["prompt_ids"][sl], mb["response_ids"][sl])
+            old = _pad([np.asarray(x, np.float32) for x in old_rows[sl]], logp.shape[1]).to(self.device)
+            mask = mask * _pad(masks[sl], logp.shape[1]).to(self.device)
+            adv = torch.tensor(np.asarray(mb["advantage"][sl], np.float32), device=self.device)
+
+            def loss_func(output):
+                res = ppo_clip_loss(output, old, adv, mask, *self.clip, self.agg, denominator)
+                for key, value in (("clipped", res.clipped_tokens), ("ratio", res.ratio_sum), ("kl", res.kl_sum)):
+                    out[key] += value
+                out["loss"] += res.loss.detach().item()
+                # The schedule divides by the micro-batch count; ours is already the mini-batch's share.
+                return res.loss * len(slices), {}
+
+            return logp, loss_func
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(slices),
+            model=[self.model],
+            num_microbatches=len(slices),
+            seq_length=0,  # only pipeline parallelism reads these
+            micro_batch_size=self.micro,
+            forward_only=False,
+        )
+        _, grad_norm, _ = self.optimizer.step()
+        out["grad_norm"] = float(grad_norm or 0.0)
         return out
 
     def _clip_grads(self) -> float:
@@ -311,6 +375,16 @@ class MegatronRank:
     def drain_export(self, bucket_bytes: int = 64 << 20) -> int:
         """A non-zero rank's part of an export: take part in every gather, keep nothing."""
         return sum(1 for _ in self.export(bucket_bytes))
+
+    @torch.no_grad()
+    def fill_hf(self, hf_name: str, value: float) -> None:
+        """Fill the Megatron parameter that exports as `hf_name` alone (not a fused one) with a constant (tests)."""
+        for name, param in self.model.module.named_parameters():
+            fused = name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight"))
+            if not fused and hf_name in [n for n, _ in to_hf(name, param, self.shape)]:
+                param.fill_(value)
+                return
+        raise KeyError(f"no unfused Megatron parameter exports as {hf_name}")
 
     def optimizer_state(self) -> dict:
         return self.optimizer.state_dict()
