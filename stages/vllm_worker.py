@@ -29,7 +29,12 @@ class WeightReceiver:
         # ipc: the group is gloo and carries CUDA IPC handles of the trainer's tensors on this same GPU.
         self._weight_ipc = backend == "ipc"
         self._weight_group = stateless_init_torch_distributed_process_group(
-            host, port, rank, world_size, backend="gloo" if self._weight_ipc else backend, timeout=timedelta(seconds=600)
+            host,
+            port,
+            rank,
+            world_size,
+            backend="gloo" if self._weight_ipc else backend,
+            timeout=timedelta(seconds=600),
         )
 
     def receive_weights(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> int:

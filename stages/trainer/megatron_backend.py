@@ -34,6 +34,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait(refs: list) -> list:
+    """The peers' results; with TP=1 there are none and Ray is not needed (tests build the trainer in-process)."""
+    if not refs:
+        return []
+    import ray
+
+    return ray.get(refs)
+
+
 class MegatronTrainer:
     def __init__(
         self,
@@ -86,13 +95,11 @@ class MegatronTrainer:
 
     def _all(self, method: str, *args) -> Any:
         """Run `method` on every rank (peers first: they block in the first collective until rank 0 arrives)."""
-        import ray
-
         pending = [getattr(p, method).remote(*args) for p in self.peers]
         try:
             return getattr(self.rank, method)(*args)
         finally:
-            ray.get(pending)
+            _wait(pending)
 
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
@@ -104,11 +111,9 @@ class MegatronTrainer:
     # --- weights out -------------------------------------------------------------------------------------------
     def _stream(self):
         """HF-named tensors from rank 0 while every peer takes part in the same bucket gathers."""
-        import ray
-
         pending = [p.drain_export.remote(self.bucket_bytes) for p in self.peers]
         yield from self.rank.export(self.bucket_bytes)
-        ray.get(pending)
+        _wait(pending)
 
     def open_weight_sync(self, world_size: int) -> dict[str, Any]:
         return self.sync.open(world_size)
@@ -151,8 +156,6 @@ class MegatronTrainer:
     def save_checkpoint(self, url: str) -> float:
         """`url`/model as an HF directory (what the engines and TorchTrainer load) and `url`/optimizer.pt holding
         every TP rank's AdamW state, in rank order."""
-        import ray
-
         start = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp)
@@ -161,7 +164,7 @@ class MegatronTrainer:
             for f in self.model_dir.iterdir():  # config.json, tokenizer and any other side files
                 if f.is_file() and f.suffix not in (".safetensors", ".bin") and not f.name.endswith(".index.json"):
                     (local / "model" / f.name).write_bytes(f.read_bytes())
-            states = [self.rank.optimizer_state(), *ray.get([p.optimizer_state.remote() for p in self.peers])]
+            states = [self.rank.optimizer_state(), *_wait([p.optimizer_state.remote() for p in self.peers])]
             buf = io.BytesIO()
             torch.save({"megatron_tp_states": states}, buf)
             (local / "optimizer.pt").write_bytes(buf.getvalue())
@@ -173,8 +176,6 @@ class MegatronTrainer:
         return time.monotonic() - start
 
     def _load_optimizer(self, path: str) -> None:
-        import ray
-
         saved = torch.load(path, weights_only=True)
         states = saved.get("megatron_tp_states") if isinstance(saved, dict) else None
         if states is None or len(states) != 1 + len(self.peers):
@@ -183,4 +184,4 @@ class MegatronTrainer:
                 f"{1 + len(self.peers)}: resume with the backend and TP size the checkpoint was taken with"
             )
         self.rank.load_optimizer_state(states[0])
-        ray.get([p.load_optimizer_state.remote(s) for p, s in zip(self.peers, states[1:], strict=True)])
+        _wait([p.load_optimizer_state.remote(s) for p, s in zip(self.peers, states[1:], strict=True)])

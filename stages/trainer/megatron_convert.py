@@ -135,7 +135,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[st
             out[dst + "self_attention.linear_qkv.bias"] = _qkv(
                 hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"], shape
             )
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
+        )
     return out
 
 

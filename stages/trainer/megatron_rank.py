@@ -91,7 +91,8 @@ class MegatronRank:
         self.model = self._build(seed)
         self._load()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.clip, self.agg, self.grad_clip, self.micro = (clip_ratio_low, clip_ratio_high), loss_agg_mode, grad_clip, micro_batch_size
+        self.clip, self.agg = (clip_ratio_low, clip_ratio_high), loss_agg_mode
+        self.grad_clip, self.micro = grad_clip, micro_batch_size
         self.optimizer = self._optimizer(lr, weight_decay)
         self.pad = json.loads((self.model_dir / "config.json").read_text()).get("pad_token_id") or 0
 
