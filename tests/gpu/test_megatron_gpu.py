@@ -33,7 +33,7 @@ def _push_and_compare(ray, tmp_path, backend: str, trainer_gpus: float, engine_g
     trainer = (
         ray.remote(MegatronTrainer)
         .options(num_cpus=1, num_gpus=trainer_gpus)
-        .remote(str(task.model_dir), lr=1e-3, weight_sync_backend=backend)
+        .remote(str(task.model_dir), lr=1e-5, weight_sync_backend=backend)
     )
     engine = (
         ray.remote(VLLMGenerate)
