@@ -125,6 +125,9 @@ def test_tp_that_does_not_split_the_heads_is_one_clear_error():
         _shape().check_tp(3)
     with pytest.raises(ValueError, match="model_type='gpt2'"):
         ModelShape.from_hf({"model_type": "gpt2"})
+    scaled = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(ValueError, match="builds plain RoPE"):
+        ModelShape.from_hf(scaled)
 
 
 def test_prepare_refuses_a_tp_the_model_cannot_take(tmp_path):
