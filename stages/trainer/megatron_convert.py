@@ -63,7 +63,6 @@ class ModelShape:
             )
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"trainer.backend=megatron expects hidden_act=silu (SwiGLU), not {config['hidden_act']}")
-        heads = config["num_attention_heads"]
         rope = config.get("rope_parameters") or {}
         scaling = config.get("rope_scaling") or {}
         if rope.get("rope_type", "default") != "default" or scaling.get("rope_type", scaling.get("type")):
@@ -71,6 +70,7 @@ class ModelShape:
                 "trainer.backend=megatron builds plain RoPE; this model scales it "
                 f"({rope or scaling}): use trainer.backend=torch"
             )
+        heads = config["num_attention_heads"]
         return cls(
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
