@@ -96,10 +96,10 @@ class MegatronTrainer:
     def _all(self, method: str, *args) -> Any:
         """Run `method` on every rank (peers first: they block in the first collective until rank 0 arrives)."""
         pending = [getattr(p, method).remote(*args) for p in self.peers]
-        try:
-            return getattr(self.rank, method)(*args)
-        finally:
-            _wait(pending)
+        # An error on rank 0 propagates at once: waiting for peers stuck in a collective would turn it into a hang.
+        result = getattr(self.rank, method)(*args)
+        _wait(pending)
+        return result
 
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
