@@ -1,4 +1,4 @@
-"""Weight-sync throughput: the trainer's GlooWeightSync pushing to an engine-side WeightReceiver in another
+"""Weight-sync throughput: the trainer's BroadcastWeightSync (gloo) pushing to an engine-side WeightReceiver in another
 process, for models of ~1M to ~100M parameters, next to this machine's memory-copy bandwidth for the same tensors.
 
 Both ends are the pipeline's code (stages/trainer/weight_sync.py, stages/vllm_worker.py); only vLLM's
@@ -49,11 +49,11 @@ def _engine(host: str, port: int, shapes: list[list[int]], rounds: int) -> None:
 
 def measure(shapes: list[list[int]]) -> tuple[float, float, float]:
     """(bytes, seconds per push, seconds per memory copy of the same tensors)."""
-    from stages.trainer.weight_sync import GlooWeightSync
+    from stages.trainer.weight_sync import BroadcastWeightSync
 
     tensors = [torch.randn(s) for s in shapes]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    sync = GlooWeightSync()
+    sync = BroadcastWeightSync()
     group = sync.open(2)
     engine = mp.get_context("spawn").Process(target=_engine, args=(group["host"], group["port"], shapes, REPEATS + 1))
     engine.start()

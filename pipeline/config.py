@@ -26,7 +26,8 @@ from pipeline.workload import Workload
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEFAULT_CONFIG = CONF_DIR / "default.yaml"
 MONITORS = ("mlflow", "jsonl", "null")
-BACKENDS = ("torch", "sim")
+BACKENDS = ("torch", "sim", "megatron")
+WEIGHT_SYNC_BACKENDS = ("gloo", "nccl", "ipc")
 VERL_PREFIXES = {"actor_rollout_ref.actor.": "actor.", "actor_rollout_ref.rollout.": "rollout."}
 
 
@@ -79,6 +80,16 @@ class AlgorithmConfig:
 
 
 @dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks of trainer.backend=megatron (verl's key); must divide the model's kv heads."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel stages (verl's key); only 1 is supported."""
+    export_bucket_mb: int = 64
+    """Weights leave the trainer gathered across TP ranks in buckets of about this many MiB of local shards."""
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = 8
     """Prompts per mini-batch (each carries `rollout.n` trajectories)."""
@@ -96,6 +107,8 @@ class ActorConfig:
     """Max global grad norm."""
     micro_batch_size: int = 32
     """Trajectories per forward/backward pass (gradient accumulation; memory only)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallelism of trainer.backend=megatron (verl's `actor_rollout_ref.actor.megatron.*`)."""
 
 
 @dataclass
@@ -199,7 +212,8 @@ class ModelConfig:
 @dataclass
 class TrainerConfig:
     backend: str = "torch"
-    """Trainer backend: 'torch' (an HF model, AdamW) or 'sim' (spends the time `sim` gives; for benchmarks)."""
+    """Trainer backend: 'torch' (an HF model, AdamW), 'megatron' (megatron-core, tensor parallel; actor.megatron)
+    or 'sim' (spends the time `sim` gives; for benchmarks)."""
     output_dir: str = "runs"
     """Parent directory of run directories (any local path)."""
     run_name: str = ""
@@ -232,6 +246,9 @@ class WeightSyncConfig:
     store: str = ""
     """Pull mode's parameter store, a directory or fsspec URL every engine can read; empty: shared memory
     (/dev/shm) on this node."""
+    backend: str = "gloo"
+    """Push mode's transport: 'gloo' (CPU tensors; works everywhere), 'nccl' (trainer and engines on different
+    GPUs) or 'ipc' (one GPU shared by trainer and engine: CUDA IPC handles). nccl and ipc need CUDA."""
 
 
 @dataclass
@@ -371,13 +388,17 @@ def validate(cfg: RunConfig) -> None:
             "async_training.use_trainer_do_validate runs a dedicated vLLM engine: it needs "
             "stages.generate._target_=stages.generate.VLLMGenerate",
         ),
+        (
+            cfg.weight_sync.backend in WEIGHT_SYNC_BACKENDS,
+            f"weight_sync.backend must be one of {', '.join(WEIGHT_SYNC_BACKENDS)}",
+        ),
         (not cfg.resume or bool(cfg.trainer.run_name), "resume=true needs trainer.run_name naming the run to continue"),
         (
             cfg.rollout.total_rollout_steps >= at.require_batches * cfg.actor.ppo_mini_batch_size,
             "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)",
         ),
     ]
-    for ok, message in checks + _correction_checks(cfg):
+    for ok, message in checks + _correction_checks(cfg) + _megatron_checks(cfg):
         if not ok:
             raise ConfigError(message)
     monitor_names(cfg.trainer.monitor)
@@ -421,6 +442,25 @@ def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
         (
             not active or recompute,
             f"{key} compares trainer and engine logprobs: set async_training.compute_prox_log_prob=true",
+        ),
+    ]
+
+
+def _megatron_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    mg, key = cfg.actor.megatron, "actor.megatron"
+    rc = cfg.algorithm.rollout_correction
+    corrected = any(x is not None for x in (rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold))
+    return [
+        (mg.tensor_model_parallel_size >= 1, f"{key}.tensor_model_parallel_size must be >= 1"),
+        (
+            mg.pipeline_model_parallel_size == 1,
+            f"{key}.pipeline_model_parallel_size must be 1: pipeline parallelism is not supported, use "
+            f"{key}.tensor_model_parallel_size",
+        ),
+        (mg.export_bucket_mb >= 1, f"{key}.export_bucket_mb must be >= 1"),
+        (
+            cfg.trainer.backend != "megatron" or not corrected,
+            "algorithm.rollout_correction is not supported by trainer.backend=megatron: use trainer.backend=torch",
         ),
     ]
 

@@ -72,12 +72,21 @@ class RunContext:
 
             # It only sleeps: no CPU, so it never competes with the stages for one on a 2-core box.
             return ray.remote(SimTrainer).options(num_cpus=0).remote(dataclasses.asdict(self.cfg.sim))
-        from stages.trainer.torch_backend import TorchTrainer
-
         a, t = self.cfg.actor, self.cfg.trainer
+        extra: dict = {"weight_sync_backend": self.cfg.weight_sync.backend}
+        if t.backend == "megatron":
+            from stages.trainer.megatron_backend import MegatronTrainer as Trainer
+
+            extra |= dataclasses.asdict(a.megatron)
+        else:
+            from stages.trainer.torch_backend import TorchTrainer as Trainer
+
+            extra["rollout_correction"] = dataclasses.asdict(self.cfg.algorithm.rollout_correction)
+        # Megatron's rank 0 computes on a GPU when the cluster has one (its other ranks ask for theirs themselves).
+        gpus = 1 if t.backend == "megatron" and ray.cluster_resources().get("GPU", 0) > 0 else 0
         trainer = (
-            ray.remote(TorchTrainer)
-            .options(num_cpus=1)
+            ray.remote(Trainer)
+            .options(num_cpus=1, num_gpus=gpus)
             .remote(
                 str(self.model_dir),
                 lr=a.lr,
@@ -89,10 +98,10 @@ class RunContext:
                 micro_batch_size=a.micro_batch_size,
                 use_rollout_log_probs=self.cfg.async_training.use_rollout_log_probs,
                 compute_prox_log_prob=self.cfg.async_training.compute_prox_log_prob,
-                rollout_correction=dataclasses.asdict(self.cfg.algorithm.rollout_correction),
                 seed=t.seed,
                 torch_threads=t.torch_threads,
                 optimizer_state=str(self.optimizer_state) if self.optimizer_state else None,
+                **extra,
             )
         )
         return trainer
@@ -186,6 +195,18 @@ def check_context(cfg: RunConfig, model_dir: Path) -> None:
         )
 
 
+def check_megatron(cfg: RunConfig, model_dir: Path) -> None:
+    """The model must be one megatron_convert knows and TP must split its heads: said here, before Ray starts."""
+    from stages.trainer.megatron_convert import ModelShape
+
+    try:
+        ModelShape.from_hf(json.loads((model_dir / "config.json").read_text())).check_tp(
+            cfg.actor.megatron.tensor_model_parallel_size
+        )
+    except ValueError as err:
+        raise ConfigError(f"{err} (model: {model_dir})") from None
+
+
 def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     """Connect to the configured cluster or start a local one on loopback; returns whether we started it."""
     if ray.is_initialized():
@@ -259,6 +280,8 @@ def prepare(cfg: RunConfig) -> RunContext:
             model_dir, data_file = prepare_model(cfg, run_dir)
         if cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate":
             check_context(cfg, model_dir)
+        if cfg.trainer.backend == "megatron":
+            check_megatron(cfg, model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length, cfg.rollout.agent.default_agent_loop)
         val_prompts = load_val_prompts(cfg, run_dir, tokenizer)

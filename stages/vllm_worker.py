@@ -26,8 +26,15 @@ class WeightReceiver:
     def init_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+        # ipc: the group is gloo and carries CUDA IPC handles of the trainer's tensors on this same GPU.
+        self._weight_ipc = backend == "ipc"
         self._weight_group = stateless_init_torch_distributed_process_group(
-            host, port, rank, world_size, backend=backend, timeout=timedelta(seconds=600)
+            host,
+            port,
+            rank,
+            world_size,
+            backend="gloo" if self._weight_ipc else backend,
+            timeout=timedelta(seconds=600),
         )
 
     def receive_weights(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> int:
@@ -35,6 +42,9 @@ class WeightReceiver:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            if self._weight_ipc:
+                yield from self._receive_ipc(names)
+                return
             for name, shape, dtype in zip(names, shapes, dtypes, strict=True):
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
                 dist.broadcast(tensor, group=self._weight_group, group_src=0)
@@ -42,6 +52,19 @@ class WeightReceiver:
 
         self.model_runner.reload_weights(weights_iterator=stream())
         return len(names)
+
+    def _receive_ipc(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Unverified here (no GPU): map each tensor by its CUDA IPC handle, copy it, then release the trainer's."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        from stages.trainer.weight_sync import broadcast_object
+
+        for name in names:
+            shared = rebuild_cuda_tensor(*broadcast_object(None, self._weight_group))
+            tensor = shared.clone()  # the loader may hold it past the acknowledgement
+            del shared
+            dist.all_reduce(torch.zeros(1), group=self._weight_group)
+            yield name, tensor
 
     def load_weights_file(self, url: str) -> int:
         """Pull mode: load a version the trainer published as one safetensors file; returns the tensor count."""

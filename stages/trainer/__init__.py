@@ -1,1 +1,2 @@
-"""Trainer backends (torch; Megatron on GPUs) and the trainer side of the weight sync."""
+"""Trainer backends (torch, megatron-core, simulated), the interface the driver calls on them, and the trainer
+side of the weight sync."""

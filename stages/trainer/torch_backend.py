@@ -26,7 +26,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from stages.trainer.correction import CorrectionSettings, finalize_stats, merge_stats, rollout_correction
 from stages.trainer.loss import ppo_clip_loss
-from stages.trainer.weight_sync import GlooWeightSync
+from stages.trainer.weight_sync import make_weight_sync
 
 _NEEDS = ("prompt_ids", "response_ids", "response_logprobs", "response_mask", "advantage")
 
@@ -48,6 +48,7 @@ class TorchTrainer:
         seed: int = 0,
         torch_threads: int = 1,
         optimizer_state: str | None = None,
+        weight_sync_backend: str = "gloo",
     ) -> None:
         """`optimizer_state`: a saved optimizer state (a checkpoint's optimizer.pt) to continue from."""
         from transformers import AutoModelForCausalLM
@@ -67,7 +68,7 @@ class TorchTrainer:
         if self.correction.active and not self.recompute:
             raise ValueError("rollout correction compares proximal and behaviour logprobs: set compute_prox_log_prob")
         self.pad = self.model.config.pad_token_id or 0
-        self.sync = GlooWeightSync()
+        self.sync = make_weight_sync(weight_sync_backend)
 
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:

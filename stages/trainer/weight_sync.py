@@ -1,8 +1,18 @@
 """The trainer side of the weight sync: one private process group, trainer at rank 0, engines after it.
 
-`WeightSync` is the swap point between transports: gloo on CPU (here), NCCL on GPUs. Either way the group is
-created with vLLM's stateless init, so it never touches the global torch.distributed state a Megatron trainer
-owns. Tensors go one at a time, in the order of `meta()`, and the engines receive them in that same order.
+`WeightSync` is the swap point between transports, chosen by `weight_sync.backend`:
+
+- `gloo` (BroadcastWeightSync): CPU tensors broadcast over gloo; the only one that runs without a GPU.
+- `nccl` (BroadcastWeightSync): the same broadcast with CUDA tensors over NCCL, trainer and engines on different
+  GPUs.
+- `ipc` (IpcWeightSync): trainer and engine share one GPU, where NCCL cannot place two ranks. The group is gloo
+  and carries only CUDA IPC handles; the engine maps each tensor, copies it and acknowledges before the trainer
+  lets go of it, so one tensor is in flight at a time.
+
+Every group is created with vLLM's stateless init, so it never touches the global torch.distributed state a
+Megatron trainer owns. Tensors go one at a time, in the order of `meta()`, and the engines receive them in that
+same order (stages/vllm_worker.py). The nccl and ipc paths are written for GPUs and unverified on this project's
+CPU machines; without CUDA they are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+BACKENDS = ("gloo", "nccl", "ipc")
+
 
 class WeightSync(Protocol):
     def open(self, world_size: int) -> dict:
@@ -25,14 +37,14 @@ class WeightSync(Protocol):
         """Block until every engine has joined."""
 
     def push(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Broadcast tensors to every engine; returns the bytes sent."""
+        """Send tensors to every engine; returns the bytes sent."""
 
 
-class GlooWeightSync:
-    backend = "gloo"
+class BroadcastWeightSync:
+    """gloo (CPU tensors) or nccl (CUDA tensors; unverified here) broadcast from rank 0."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self.host = host
+    def __init__(self, backend: str = "gloo", host: str = "127.0.0.1") -> None:
+        self.backend, self.host = backend, host
         self.group = None
         self._opener: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -69,9 +81,61 @@ class GlooWeightSync:
             raise RuntimeError(f"weight-sync group failed to form: {self._error}") from self._error
 
     def push(self, tensors: Iterable[torch.Tensor]) -> int:
+        device = torch.cuda.current_device() if self.backend == "nccl" else "cpu"
         sent = 0
         for tensor in tensors:
-            tensor = tensor.detach().contiguous()
+            tensor = tensor.detach().to(device).contiguous()
             dist.broadcast(tensor, group=self.group, group_src=0)
             sent += tensor.numel() * tensor.element_size()
         return sent
+
+
+class IpcWeightSync:
+    """Unverified here (no GPU): CUDA IPC handles over a gloo group, for a trainer and engine on one GPU."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.control = BroadcastWeightSync("gloo", host)  # carries handles and acknowledgements, not weights
+
+    def open(self, world_size: int) -> dict:
+        return {**self.control.open(world_size), "backend": "ipc"}  # the engine joins with gloo, receives by IPC
+
+    def wait_open(self) -> None:
+        self.control.wait_open()
+
+    def push(self, tensors: Iterable[torch.Tensor]) -> int:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        sent = 0
+        for tensor in tensors:
+            tensor = tensor.detach().to(torch.cuda.current_device()).contiguous()
+            _, args = reduce_tensor(tensor)  # a picklable handle: the engine maps the same memory
+            broadcast_object(args, self.control.group)
+            dist.all_reduce(torch.zeros(1), group=self.control.group)  # every engine copied it: it may be freed
+            sent += tensor.numel() * tensor.element_size()
+        return sent
+
+
+def broadcast_object(obj: object, group) -> object:
+    """Rank 0's `obj` on every rank of a stateless group, as pickled bytes in two tensor broadcasts (the object
+    collectives of torch.distributed expect a group registered with its default world)."""
+    import pickle
+
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if obj is not None else None
+    size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+    dist.broadcast(size, group=group, group_src=0)
+    if payload is None:
+        payload = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(payload, group=group, group_src=0)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def make_weight_sync(backend: str = "gloo") -> WeightSync:
+    """The trainer side of `weight_sync.backend`; nccl and ipc need CUDA and say so."""
+    if backend not in BACKENDS:
+        raise ValueError(f"weight_sync.backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend != "gloo" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"weight_sync.backend={backend} moves CUDA tensors and this trainer sees no GPU: "
+            "use weight_sync.backend=gloo on CPU"
+        )
+    return IpcWeightSync() if backend == "ipc" else BroadcastWeightSync(backend)

@@ -1,0 +1,401 @@
+"""One tensor-parallel rank of the Megatron trainer: a megatron-core GPTModel, its PPO step, its weight export.
+
+Every rank of the group runs the same calls in the same order (SPMD); stages/trainer/megatron_backend.py makes
+sure of it. The model is built from an HF directory's config.json (Llama/Qwen2: RMSNorm, SwiGLU, RoPE with the
+model's theta, GQA, qkv bias for Qwen2) with megatron-core's local layer spec, and its weights are the HF
+safetensors sharded for this rank (stages/trainer/megatron_convert.py), so training starts from exactly the
+weights the engines serve.
+
+On CPU megatron-core trains with three shims (DESIGN.md §4): `torch.cuda.current_device` answers "cpu", an RNG
+tracker that does not fork CUDA states, and an explicit bool causal mask. Its schedules and optimizer hard-code
+CUDA, so the step is written by hand: forward/backward per micro-batch, `finish_grad_sync`, `main_grad` -> `grad`,
+a TP-aware grad-norm clip, torch AdamW. The loss is TorchTrainer's (stages/trainer/loss.py: token-level
+aggregation over the mini-batch, rollout logprobs as the anchor, the same masks). The CUDA path
+(`get_forward_backward_func` and megatron's distributed optimizer) is written but unverified.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from stages.trainer.loss import ppo_clip_loss
+from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, merge, shard, shard_dim, to_hf
+
+
+def _cpu_shims() -> None:
+    """megatron-core asks CUDA for its device and RNG even when told to initialise on CPU."""
+    from megatron.core import tensor_parallel
+
+    torch.cuda.current_device = lambda: "cpu"
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def _load_hf(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(f))
+    if not state:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights for trainer.backend=megatron")
+    return {k: v.float() for k, v in state.items()}
+
+
+class MegatronRank:
+    def __init__(
+        self,
+        model_dir: str,
+        rank: int,
+        world_size: int,
+        port: int,
+        tensor_model_parallel_size: int = 1,
+        lr: float = 5e-4,
+        weight_decay: float = 0.0,
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.28,
+        loss_agg_mode: str = "token-mean",
+        grad_clip: float = 1.0,
+        micro_batch_size: int = 32,
+        seed: int = 0,
+        torch_threads: int = 1,
+    ) -> None:
+        from megatron.core import parallel_state
+
+        torch.manual_seed(seed)
+        torch.set_num_threads(torch_threads)
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        if not self.cuda:
+            _cpu_shims()
+        dist.init_process_group(
+            "nccl" if self.cuda else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=600),
+        )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size, 1)
+        self.tp, self.tp_rank = tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.model_dir = Path(model_dir)
+        self.shape = ModelShape.from_hf(json.loads((self.model_dir / "config.json").read_text()))
+        self.shape.check_tp(self.tp)
+        self.model = self._build(seed)
+        self._load()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.clip, self.agg = (clip_ratio_low, clip_ratio_high), loss_agg_mode
+        self.grad_clip, self.micro = grad_clip, micro_batch_size
+        self.optimizer = self._optimizer(lr, weight_decay)
+        self.pad = json.loads((self.model_dir / "config.json").read_text()).get("pad_token_id") or 0
+
+    def _build(self, seed: int):
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer import TransformerConfig
+
+        s = self.shape
+        config = TransformerConfig(
+            num_layers=s.num_layers,
+            hidden_size=s.hidden_size,
+            num_attention_heads=s.num_heads,
+            num_query_groups=s.num_kv_heads,
+            kv_channels=s.head_dim,
+            ffn_hidden_size=s.ffn_hidden_size,
+            normalization="RMSNorm",
+            layernorm_epsilon=s.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            add_qkv_bias=s.qkv_bias,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            gradient_accumulation_fusion=False,
+            tensor_model_parallel_size=self.tp,
+            params_dtype=torch.float32,
+            use_cpu_initialization=True,
+        )
+        if self.cuda:
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        model = GPTModel(
+            config,
+            get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=s.padded_vocab(self.tp),
+            max_sequence_length=s.max_positions,
+            share_embeddings_and_output_weights=s.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=s.rope_theta,
+        ).to(self.device)
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=self.cuda)
+        return DistributedDataParallel(config, ddp, model)
+
+    def _optimizer(self, lr: float, weight_decay: float):
+        """torch AdamW on CPU; on GPU megatron's distributed optimizer with the same hyper-parameters and clip."""
+        if not self.cuda:
+            return torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_eps=1e-8,
+            clip_grad=self.grad_clip,
+            use_distributed_optimizer=True,
+            params_dtype=torch.float32,
+        )
+        return get_megatron_optimizer(config, [self.model])
+
+    @torch.no_grad()
+    def _load(self) -> None:
+        """This rank's shard of every Megatron parameter, from the HF safetensors."""
+        full = hf_to_megatron(_load_hf(self.model_dir), self.shape)
+        params = dict(self.model.module.named_parameters())
+        missing = sorted(set(params) ^ set(full))
+        if missing:
+            raise KeyError(f"HF -> Megatron names do not match the model: {missing[:4]}")
+        for name, param in params.items():
+            param.copy_(shard(name, full[name], self.tp_rank, self.tp, self.shape))
+
+    # --- forward -------------------------------------------------------------------------------------------------
+    def _token_logprobs(self, prompts: list, responses: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprob of each response token: (B, T) values and (B, T) validity mask, as TorchTrainer's."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        seqs = [np.concatenate([p, r]).astype(np.int64) for p, r in zip(prompts, responses, strict=True)]
+        width_s = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width_s), self.pad, dtype=torch.long)  # (B, S), right-padded
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.as_tensor(s)
+        ids = ids.to(self.device)
+        positions = torch.arange(width_s, device=self.device).expand_as(ids)
+        # True = masked out; right padding needs no more than causality for the positions we read.
+        causal = torch.triu(torch.ones(width_s, width_s, dtype=torch.bool, device=self.device), 1)[None, None]
+        logits = self.model(ids, positions, causal)  # (B, S, V_padded / tp)
+        local_vocab = logits.shape[-1]
+        vocab_ids = torch.arange(local_vocab, device=self.device) + self.tp_rank * local_vocab
+        logits = logits.float().masked_fill(vocab_ids >= self.shape.vocab_size, float("-inf"))  # padding rows
+        targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position t predicts token t + 1
+        token_logp = -vocab_parallel_cross_entropy(logits, targets)  # (B, S)
+        width = max((len(r) for r in responses), default=0)
+        logp = torch.zeros(len(seqs), width, device=self.device)
+        mask = torch.zeros(len(seqs), width, device=self.device)
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            start = len(p) - 1
+            logp[i, : len(r)] = token_logp[i, start : start + len(r)]
+            mask[i, : len(r)] = 1.0
+        return logp, mask
+
+    @torch.no_grad()
+    def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
+        out: list[list[float]] = []
+        for lo in range(0, len(responses), self.micro):
+            part = responses[lo : lo + self.micro]
+            logp, _ = self._token_logprobs(prompts[lo : lo + self.micro], part)
+            out += [logp[i, : len(r)].tolist() for i, r in enumerate(part)]
+        return out
+
+    # --- training ------------------------------------------------------------------------------------------------
+    def train_step(self, minibatches: list[dict[str, list]], recompute: bool = False) -> dict[str, float]:
+        """TorchTrainer.train_step's contract: one optimizer update per mini-batch, the same metric keys."""
+        start = time.monotonic()
+        keys = ("loss", "grad_norm", "clipped", "ratio", "kl", "tokens")
+        totals = dict.fromkeys(keys, 0.0)
+        anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"]) if recompute else None for mb in minibatches]
+        update = self._update_cuda if self.cuda else self._update
+        for mb, anchor in zip(minibatches, anchors, strict=True):
+            stats = update(mb, anchor)
+            for key in keys:
+                totals[key] += stats[key]
+        n, tokens = len(minibatches), totals["tokens"]
+        return {
+            "train/loss": totals["loss"] / n,
+            "train/grad_norm": totals["grad_norm"] / n,
+            "train/pg_clipfrac": totals["clipped"] / max(tokens, 1),
+            "train/ratio_mean": totals["ratio"] / max(tokens, 1),
+            "train/ppo_kl": totals["kl"] / max(tokens, 1),
+            "train/num_tokens": float(tokens),
+            "timing/train_s": time.monotonic() - start,
+        }
+
+    def _update(self, mb: dict[str, list], anchor: list | None) -> dict[str, float]:
+        rows = len(mb["response_ids"])
+        masks = [np.asarray(m, dtype=np.float32) for m in mb["response_mask"]]
+        old_rows = anchor if anchor is not None else mb["response_logprobs"]
+        num_tokens = float(sum(m.sum() for m in masks))
+        denominator = max(num_tokens, 1.0) if self.agg == "token-mean" else float(rows)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "tokens": num_tokens}
+        for lo in range(0, rows, self.micro):
+            sl = slice(lo, lo + self.micro)
+            logp, mask = self._token_logprobs(mb["prompt_ids"][sl], mb["response_ids"][sl])
+            old = _pad([np.asarray(x, np.float32) for x in old_rows[sl]], logp.shape[1]).to(self.device)
+            mask = mask * _pad(masks[sl], logp.shape[1]).to(self.device)
+            adv = torch.tensor(np.asarray(mb["advantage"][sl], np.float32), device=self.device)
+            res = ppo_clip_loss(logp, old, adv, mask, *self.clip, self.agg, denominator)
+            res.loss.backward()
+            out["loss"] += res.loss.detach().item()
+            out["clipped"] += res.clipped_tokens
+            out["ratio"] += res.ratio_sum
+            out["kl"] += res.kl_sum
+        self.model.finish_grad_sync()  # DP all-reduce of the grad buffers (a no-op copy at DP=1)
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype)
+        out["grad_norm"] = self._clip_grads()
+        self.optimizer.step()
+        return out
+
+    def _update_cuda(self, mb: dict[str, list], anchor: list | None) -> dict[str, float]:
+        """Unverified here (no GPU): megatron's schedule drives the micro-batches, its optimizer clips and steps."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rows = len(mb["response_ids"])
+        masks = [np.asarray(m, dtype=np.float32) for m in mb["response_mask"]]
+        old_rows = anchor if anchor is not None else mb["response_logprobs"]
+        num_tokens = float(sum(m.sum() for m in masks))
+        denominator = max(num_tokens, 1.0) if self.agg == "token-mean" else float(rows)
+        slices = [slice(lo, lo + self.micro) for lo in range(0, rows, self.micro)]
+        out = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "tokens": num_tokens}
+
+        def forward_step(data_iterator, model):
+            sl = next(data_iterator)
+            logp, mask = self._token_logprobs(mb["prompt_ids"][sl], mb["response_ids"][sl])
+            old = _pad([np.asarray(x, np.float32) for x in old_rows[sl]], logp.shape[1]).to(self.device)
+            mask = mask * _pad(masks[sl], logp.shape[1]).to(self.device)
+            adv = torch.tensor(np.asarray(mb["advantage"][sl], np.float32), device=self.device)
+
+            def loss_func(output):
+                res = ppo_clip_loss(output, old, adv, mask, *self.clip, self.agg, denominator)
+                for key, value in (("clipped", res.clipped_tokens), ("ratio", res.ratio_sum), ("kl", res.kl_sum)):
+                    out[key] += value
+                out["loss"] += res.loss.detach().item()
+                # The schedule divides by the micro-batch count; ours is already the mini-batch's share.
+                return res.loss * len(slices), {}
+
+            return logp, loss_func
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(slices),
+            model=[self.model],
+            num_microbatches=len(slices),
+            seq_length=0,  # only pipeline parallelism reads these
+            micro_batch_size=self.micro,
+            forward_only=False,
+        )
+        _, grad_norm, _ = self.optimizer.step()
+        out["grad_norm"] = float(grad_norm or 0.0)
+        return out
+
+    def _clip_grads(self) -> float:
+        """torch's clip_grad_norm_ over the whole model: TP shards count once each, replicated params once."""
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.params:
+            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+                squares += p.grad.double().pow(2).sum()
+        dist.all_reduce(squares, group=self.tp_group)
+        norm = float(squares.sqrt())
+        coef = self.grad_clip / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.params:
+                p.grad.mul_(coef)
+        return norm
+
+    # --- export --------------------------------------------------------------------------------------------------
+    def hf_meta(self) -> dict[str, list]:
+        """Names, shapes and dtypes of `export()`'s tensors, without moving any weight."""
+        names, shapes, dtypes = [], [], []
+        for name, param in self.model.module.named_parameters():
+            full_shape = list(param.shape)
+            dim = shard_dim(name)
+            if dim is not None:
+                full_shape[dim] *= self.tp
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                full_shape[0] = self.shape.vocab_size
+            for hf_name, t in to_hf(name, torch.empty(full_shape, device="meta"), self.shape):
+                names.append(hf_name)
+                shapes.append(list(t.shape))
+                dtypes.append(str(param.dtype).removeprefix("torch."))
+        return {"names": names, "shapes": shapes, "dtypes": dtypes}
+
+    @torch.no_grad()
+    def export(self, bucket_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, gathered across TP one bucket at a time (one all_gather per bucket).
+
+        Every rank must drain this generator (the gathers are collectives); only rank 0's output is used. At most
+        one bucket's shards from every rank are held at once: never a second copy of the model.
+        """
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, param in self.model.module.named_parameters():
+            bucket.append((name, param))
+            size += param.numel() * param.element_size()
+            if size >= bucket_bytes:
+                yield from self._gather_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            yield from self._gather_bucket(bucket)
+
+    def _gather_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.tp == 1:
+            for name, param in bucket:
+                yield from to_hf(name, merge(name, [param.detach()], self.shape), self.shape)
+            return
+        flat = torch.cat([p.detach().reshape(-1) for _, p in bucket])
+        gathered = [torch.empty_like(flat) for _ in range(self.tp)]
+        dist.all_gather(gathered, flat, group=self.tp_group)
+        offset = 0
+        for name, param in bucket:
+            n = param.numel()
+            if shard_dim(name) is None:  # replicated: every rank holds the same values
+                shards = [param.detach()]
+            else:
+                shards = [g[offset : offset + n].view_as(param) for g in gathered]
+            offset += n
+            yield from to_hf(name, merge(name, shards, self.shape), self.shape)
+
+    def drain_export(self, bucket_bytes: int = 64 << 20) -> int:
+        """A non-zero rank's part of an export: take part in every gather, keep nothing."""
+        return sum(1 for _ in self.export(bucket_bytes))
+
+    @torch.no_grad()
+    def fill_hf(self, hf_name: str, value: float) -> None:
+        """Fill the Megatron parameter that exports as `hf_name` alone (not a fused one) with a constant (tests)."""
+        for name, param in self.model.module.named_parameters():
+            fused = name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight"))
+            if not fused and hf_name in [n for n, _ in to_hf(name, param, self.shape)]:
+                param.fill_(value)
+                return
+        raise KeyError(f"no unfused Megatron parameter exports as {hf_name}")
+
+    def optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def _pad(rows: list[np.ndarray], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row[:width])
+    return out

@@ -1,0 +1,74 @@
+"""The megatron and weight-sync config keys: typos name the nearest key, bad values one clear error, and every
+GPU preset loads as a valid config (they are not run on CPU)."""
+
+import json
+
+import pytest
+
+from pipeline.config import CONF_DIR, ConfigError, load_config
+
+
+def test_megatron_preset_and_keys():
+    cfg = load_config(CONF_DIR / "megatron.yaml")
+    assert cfg.trainer.backend == "megatron"
+    assert cfg.actor.megatron.tensor_model_parallel_size == 2
+    verl = load_config(None, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"])
+    assert verl.actor.megatron.tensor_model_parallel_size == 4
+
+
+def test_a_typo_in_the_megatron_section_names_the_nearest_key():
+    with pytest.raises(ConfigError, match="Did you mean 'tensor_model_parallel_size'"):
+        load_config(None, ["actor.megatron.tensor_model_paralel_size=2"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor.megatron.pipeline_model_parallel_size=2", "pipeline parallelism is not supported"),
+        ("actor.megatron.tensor_model_parallel_size=0", "tensor_model_parallel_size must be >= 1"),
+        ("weight_sync.backend=rdma", "weight_sync.backend must be one of gloo, nccl, ipc"),
+    ],
+)
+def test_bad_values_are_one_clear_error(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["trainer.backend=megatron", override])
+
+
+def test_megatron_refuses_rollout_correction():
+    overrides = ["async_training.compute_prox_log_prob=true", "algorithm.rollout_correction.rollout_is=token"]
+    load_config(None, overrides)  # fine with the torch trainer
+    with pytest.raises(ConfigError, match="not supported by trainer.backend=megatron"):
+        load_config(None, ["trainer.backend=megatron", *overrides])
+
+
+@pytest.mark.parametrize("preset", sorted((CONF_DIR / "gpu").glob("*.yaml")), ids=lambda p: p.name)
+def test_gpu_presets_load(preset):
+    cfg = load_config(preset)
+    assert cfg.trainer.backend == "megatron"
+    assert cfg.weight_sync.backend in ("nccl", "ipc")
+    assert cfg.model.path != "embedded"
+
+
+def test_random_model_fits_every_gpu_preset(tmp_path):
+    from pipeline.random_model import SHAPE, build
+    from stages.trainer.megatron_convert import ModelShape
+
+    small = SHAPE | {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1}  # the preset's heads
+    model_dir = build(tmp_path, num_prompts=10, shape=small)
+    shape = ModelShape.from_hf(json.loads((model_dir / "config.json").read_text()))
+    for preset in (CONF_DIR / "gpu").glob("*.yaml"):
+        shape.check_tp(load_config(preset).actor.megatron.tensor_model_parallel_size)
+    assert (tmp_path / "data" / "train.parquet").exists()
+
+
+def test_nccl_and_ipc_need_cuda():
+    import torch
+
+    from stages.trainer.weight_sync import make_weight_sync
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for backend in ("nccl", "ipc"):
+        with pytest.raises(RuntimeError, match="use weight_sync.backend=gloo on CPU"):
+            make_weight_sync(backend)
+    assert make_weight_sync("gloo").backend == "gloo"
