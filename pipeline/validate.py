@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -136,6 +137,9 @@ class Validator:
             fs, path = fsspec.core.url_to_fs(self.store)
             if fs.exists(path):
                 fs.rm(path, recursive=True)
+            root = os.path.dirname(self.store)
+            if root.startswith("/dev/shm/") and os.path.isdir(root) and not os.listdir(root):
+                os.rmdir(root)  # the run's default store, which only validation used (push mode)
 
     def _finish(self, posted: int, samples: list[dict[str, Any]]) -> dict[str, float]:
         """Score a pass and tag it with the one version all its tokens share: the one posted, or in pull mode a

@@ -1,5 +1,7 @@
 """Validation metrics by hand, and the driver's refusal of a pass with mixed weight versions."""
 
+from pathlib import Path
+
 import pytest
 
 from pipeline.config import RolloutConfig, RunConfig
@@ -38,3 +40,14 @@ def test_a_pass_with_mixed_versions_is_refused(tmp_path):
         validator._finish(3, [{**sample, "token_param_version": [3, 4]}])
     with pytest.raises(RuntimeError, match="versions \\[3, 4\\]"):  # each sample whole, but the pass mixed
         validator._finish(3, [{**sample, "token_param_version": [3]}, {**sample, "token_param_version": [4]}])
+
+
+def test_close_removes_the_dedicated_engines_files_and_the_default_store(tmp_path):
+    run_dir = tmp_path / "closing"
+    validator = Validator(None, None, RunConfig(), run_dir, engine=object())
+    store = Path(validator.store)
+    assert str(store).startswith("/dev/shm/asyncrl-closing-") and store.name == "validation"
+    store.mkdir(parents=True)
+    (store / "version-000004.safetensors").write_bytes(b"x")
+    validator.close()
+    assert not store.parent.exists()  # nothing of the run is left in shared memory (push mode: no pull store)
