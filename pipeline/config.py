@@ -260,6 +260,11 @@ class RayConfig:
     """Logical CPUs of a local Ray; more than cores, so actors holding a CPU each cannot deadlock a 2-core box."""
     no_progress_timeout_s: float = -1
     """Fail the stream when no block moves for this long; -1 (never) for real runs, set in tests."""
+    gpus_per_engine: float = 1.0
+    """GPUs each vLLM engine asks Ray for, on a cluster that has GPUs (a fraction shares one: 0.5 puts an engine
+    and a trainer rank on one GPU)."""
+    gpus_per_trainer_rank: float = 1.0
+    """GPUs each Megatron trainer rank asks Ray for, on a cluster that has GPUs."""
 
 
 def _stage(target: str) -> Any:

@@ -82,8 +82,10 @@ class RunContext:
             from stages.trainer.torch_backend import TorchTrainer as Trainer
 
             extra["rollout_correction"] = dataclasses.asdict(self.cfg.algorithm.rollout_correction)
-        # Megatron's rank 0 computes on a GPU when the cluster has one (its other ranks ask for theirs themselves).
-        gpus = 1 if t.backend == "megatron" and ray.cluster_resources().get("GPU", 0) > 0 else 0
+        # Megatron's ranks compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
+        gpus = 0.0
+        if t.backend == "megatron" and ray.cluster_resources().get("GPU", 0) > 0:
+            gpus = extra["gpus_per_rank"] = self.cfg.ray.gpus_per_trainer_rank
         trainer = (
             ray.remote(Trainer)
             .options(num_cpus=1, num_gpus=gpus)

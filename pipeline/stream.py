@@ -69,11 +69,18 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
     )
 
 
+def engine_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
+    """GPUs a Generate replica asks for: `ray.gpus_per_engine` for a vLLM engine on a cluster with GPUs, else none."""
+    vllm = cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate"
+    return cfg.ray.gpus_per_engine if vllm and cluster_gpus > 0 else 0.0
+
+
 def start_validation_engine(cfg: RunConfig, model_dir: str, clock: tuple[str, str], version: int):
     """The dedicated validation engine (async_training.use_trainer_do_validate): one Generate actor outside the
-    stream, with a CPU of its own like a stream replica."""
+    stream, with a CPU (and on a GPU cluster a GPU) of its own like a stream replica."""
     gen_cls, gen_kwargs = generate_stage(cfg, model_dir, clock, version)
-    return ray.remote(gen_cls).options(num_cpus=1).remote(**gen_kwargs, validation_only=True)
+    gpus = engine_gpus(cfg, ray.cluster_resources().get("GPU", 0))
+    return ray.remote(gen_cls).options(num_cpus=1, num_gpus=gpus).remote(**gen_kwargs, validation_only=True)
 
 
 def build_stream(
@@ -103,6 +110,7 @@ def build_stream(
         batch_size=None,
         batch_format="pyarrow",
         num_cpus=1,
+        num_gpus=engine_gpus(cfg, ray.cluster_resources().get("GPU", 0)),
         # Both limits: Ray Data sends calls_in_flight calls to a replica, and the replica's actor runs them at once
         # (an actor runs one call at a time unless told otherwise, even with an async __call__).
         compute=ActorPoolStrategy(

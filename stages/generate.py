@@ -83,10 +83,13 @@ class VLLMGenerate:
         default_agent_loop: str = "single_turn_agent",
         multi_turn: dict[str, Any] | None = None,
         validation_only: bool = False,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         """`default_agent_loop`: the loop of rows whose agent_name is null; `multi_turn`: rollout.multi_turn.
         `validation_only`: the dedicated validation engine (async_training.use_trainer_do_validate), outside the
-        stream: it joins neither the clock nor the broadcast group, and the driver calls `validate_version`."""
+        stream: it joins neither the clock nor the broadcast group, and the driver calls `validate_version`.
+        `gpu_memory_utilization`: vLLM's share of its GPU (weights and KV cache); lower it where a trainer shares
+        the GPU. Unused on CPU, where `kv_cache_gb` sizes the cache."""
         from transformers import AutoTokenizer
 
         self.clock = None if validation_only else ray.get_actor(clock_name, namespace=namespace)
@@ -106,6 +109,8 @@ class VLLMGenerate:
         threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
         engine_seed = seed + (self.replica if self.replica >= 0 else 1_000_003)  # the dedicated one samples apart
         engine_kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=engine_seed)
+        if _on_gpu():
+            engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.engine = self._run(self._start_engine(engine_kwargs, initial_version))
         self.busy = EngineBusy()  # rollouter/idle_ratio: touched only on the engine loop
         if not validation_only:
@@ -337,6 +342,12 @@ class VLLMGenerate:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _expand_spans(spans: Any, num_tokens: int, sample_id: str) -> list[int]:

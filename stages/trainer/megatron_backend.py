@@ -63,7 +63,9 @@ class MegatronTrainer:
         pipeline_model_parallel_size: int = 1,
         weight_sync_backend: str = "gloo",
         export_bucket_mb: int = 64,
+        gpus_per_rank: float = 0.0,
     ) -> None:
+        """`gpus_per_rank`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a GPU cluster)."""
         if pipeline_model_parallel_size != 1:
             raise ValueError("megatron.pipeline_model_parallel_size > 1 is not supported yet: use tensor parallelism")
         kwargs = dict(
@@ -83,7 +85,7 @@ class MegatronTrainer:
         if world > 1:
             import ray
 
-            remote_rank = ray.remote(MegatronRank).options(num_cpus=0, num_gpus=1 if torch.cuda.is_available() else 0)
+            remote_rank = ray.remote(MegatronRank).options(num_cpus=0, num_gpus=gpus_per_rank)
             self.peers = [remote_rank.remote(model_dir, r, world, port, **kwargs) for r in range(1, world)]
         self.rank = MegatronRank(model_dir, 0, world, port, **kwargs)  # joins the peers' rendezvous
         self.model_dir = Path(model_dir)

@@ -49,6 +49,17 @@ def test_gpu_presets_load(preset):
     assert cfg.model.path != "embedded"
 
 
+@pytest.mark.parametrize(("preset", "gpus"), [("colocated_1gpu.yaml", 1), ("split_4_4.yaml", 8)])
+def test_gpu_presets_ask_ray_for_the_gpus_they_name(preset, gpus):
+    from pipeline.stream import engine_gpus
+
+    cfg = load_config(CONF_DIR / "gpu" / preset)
+    engines = cfg.rollout.num_replicas * engine_gpus(cfg, cluster_gpus=gpus)
+    trainer = cfg.actor.megatron.tensor_model_parallel_size * cfg.ray.gpus_per_trainer_rank
+    assert engines + trainer == gpus  # more and Ray never places them all; fewer leaves a GPU idle
+    assert engine_gpus(cfg, cluster_gpus=0) == 0.0  # a CPU cluster: no engine waits for a GPU
+
+
 def test_random_model_fits_every_gpu_preset(tmp_path):
     from pipeline.random_model import SHAPE, build
     from stages.trainer.megatron_convert import ModelShape
