@@ -7,6 +7,7 @@ count as `denominator`, so accumulated micro-batch gradients equal the full mini
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,3 +51,19 @@ def ppo_clip_loss(
         ratio_sum = float((ratio * mask).sum())
         kl_sum = float(((old_logp - logp) * mask).sum())
     return PolicyLoss(loss, clipped_tokens, ratio_sum, kl_sum)
+
+
+def micro_batched_logprobs(
+    token_logprobs: Callable[[list, list], tuple[torch.Tensor, torch.Tensor]],
+    prompts: list,
+    responses: list,
+    micro: int,
+) -> list[list[float]]:
+    """Each response's token logprobs, computed `micro` sequences at a time by a backend's `token_logprobs`
+    ((B, T) values and mask for a batch of prompts and responses): the proximal anchors of every backend."""
+    out: list[list[float]] = []
+    for lo in range(0, len(responses), micro):
+        part = responses[lo : lo + micro]
+        logp, _ = token_logprobs(prompts[lo : lo + micro], part)
+        out += [logp[i, : len(r)].tolist() for i, r in enumerate(part)]
+    return out

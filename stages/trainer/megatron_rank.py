@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.trainer.loss import ppo_clip_loss
+from stages.trainer.loss import micro_batched_logprobs, ppo_clip_loss
 from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, merge, shard, shard_dim, to_hf
 
 
@@ -204,12 +204,7 @@ class MegatronRank:
 
     @torch.no_grad()
     def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
-        out: list[list[float]] = []
-        for lo in range(0, len(responses), self.micro):
-            part = responses[lo : lo + self.micro]
-            logp, _ = self._token_logprobs(prompts[lo : lo + self.micro], part)
-            out += [logp[i, : len(r)].tolist() for i, r in enumerate(part)]
-        return out
+        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.micro)
 
     # --- training ------------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]], recompute: bool = False) -> dict[str, float]:

@@ -25,7 +25,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from stages.trainer.correction import CorrectionSettings, finalize_stats, merge_stats, rollout_correction
-from stages.trainer.loss import ppo_clip_loss
+from stages.trainer.loss import micro_batched_logprobs, ppo_clip_loss
 from stages.trainer.weight_sync import make_weight_sync
 
 _NEEDS = ("prompt_ids", "response_ids", "response_logprobs", "response_mask", "advantage")
@@ -159,12 +159,7 @@ class TorchTrainer:
     @torch.no_grad()
     def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
         """Response-token logprobs under the current weights, in micro-batches (proximal anchors; tests)."""
-        out: list[list[float]] = []
-        for lo in range(0, len(responses), self.micro):
-            part = responses[lo : lo + self.micro]
-            logp, _ = self._token_logprobs(prompts[lo : lo + self.micro], part)
-            out += [logp[i, : len(r)].tolist() for i, r in enumerate(part)]
-        return out
+        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.micro)
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, url: str) -> float:
