@@ -1,4 +1,4 @@
-"""Fit the simulated workload to seed 001's 128-GPU Qwen2.5-Math-7B table; prints the numbers of
+"""Fit the simulated workload to verl's published 128-GPU Qwen2.5-Math-7B table; prints the numbers of
 conf/sim/verl_7b_128gpu.yaml.
 
 The table gives, per step of 512 prompts x 16 responses (max 28K tokens):
@@ -15,9 +15,9 @@ per-sequence decode time, from the colocated generation time. Training and sync 
 
 from __future__ import annotations
 
-from pipeline.des import Setting, simulate
-from pipeline.staleness import StalenessBudget
-from pipeline.workload import Workload
+from pipeline.sim.des import Setting, simulate
+from stages.sim.workload import Workload
+from stages.staleness import StalenessBudget
 
 SCALE = 16  # prompts per step 512 -> 32
 N, MAX_LEN, MEAN, SIGMA = 16, 28000, 4000, 1.0

@@ -1,9 +1,9 @@
 """Colocated synchronous baseline against the four async modes, on one simulated workload, side by side.
 
 Each mode runs through the real pipeline (Ray Data stream, gate, sink, syncs, audit) with simulated engines and
-trainer (pipeline/workload.py), and through the discrete-event model (pipeline/des.py) for comparison. Times are
+trainer (stages/sim/workload.py), and through the discrete-event model (pipeline/sim/des.py) for comparison. Times are
 simulated seconds per 512 prompts (32 in the scaled-down run), after the first sync window (start-up).
-The default preset is calibrated to seed 001's 128-GPU 7B table (bench/calibrate.py).
+The default preset is calibrated to verl's published 128-GPU 7B table (bench/calibrate.py).
 
     python -m bench.modes                 # about 4 minutes on 2 cores
     python -m bench.modes --syncs 2       # quicker, noisier
@@ -20,13 +20,16 @@ from pathlib import Path
 
 from bench.calibrate import ASYNC_TRAIN, COLO_SWITCH, COLO_TRAIN, MAX_LEN, mean_length
 from pipeline.config import RunConfig, load_config
-from pipeline.des import Setting, simulate
-from pipeline.staleness import StalenessBudget
-from pipeline.workload import bubble_bound, tail_utilisation
+from pipeline.sim.des import Setting, simulate
+from stages.sim.workload import bubble_bound, tail_utilisation
+from stages.staleness import StalenessBudget
 
 PRESET = Path(__file__).resolve().parents[1] / "conf" / "sim" / "verl_7b_128gpu.yaml"
 PROMPTS_PER_UNIT = 32  # verl's step of 512 prompts, scaled down 16x
-VERL = {"stream off-policy": 1.6, "async + partial rollout": 2.35}  # seed 001, 128 GPUs, over colocated sync
+VERL = {
+    "stream off-policy": 1.6,
+    "async + partial rollout": 2.35,
+}  # verl's fully_async_policy table, 128 GPUs, over colocated sync
 
 _SYNC = ["async_training.staleness_threshold=0", "async_training.partial_rollout=false"]
 MODES = {

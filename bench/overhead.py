@@ -22,7 +22,7 @@ INSTANT = [f"sim.{k}=0" for k in ("prefill_s", "decode_s_per_token", "train_s_pe
 PROMPTS = 256
 N = 8
 # Steps to weigh the overhead against: the embedded CPU job (64 samples per step, about 1 s per step measured by
-# `make run`) and seed 001's 7B step (512 prompts x 16 per 4 local steps of about 150 s, the fully async run).
+# `make run`) and verl's published 7B step (512 prompts x 16 per 4 local steps of about 150 s, the fully async run).
 TYPICAL = {"embedded job step (64 samples, ~1 s)": (64, 1.0), "verl 7B step (2048 samples, ~38 s)": (2048, 37.7)}
 
 

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("items", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
     audit_p = sub.add_parser("audit", help="audit a run directory")
     audit_p.add_argument("run_dir")
-    plan_p = sub.add_parser("plan", help="recommend a trainer:rollout split (simulated; see pipeline/planner.py)")
+    plan_p = sub.add_parser("plan", help="recommend a trainer:rollout split (simulated; see pipeline/sim/planner.py)")
     plan_p.add_argument("items", nargs="*", help="a CONFIG.yaml with a `sim` workload, then key=value overrides")
     plan_p.add_argument("--gpus", type=int, required=True, help="GPU budget")
     plan_p.add_argument("--gpus-per-replica", type=int, default=8, help="GPUs of one engine (the split's step)")
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(items: list[str]) -> int:
     from pipeline.checkpoint import ResumeError
     from pipeline.config import ConfigError, load_config
-    from pipeline.source import PromptDataError
+    from pipeline.tasks.source import PromptDataError
 
     path = items[0] if items and "=" not in items[0] else None
     overrides = items[1:] if path else items
@@ -63,7 +63,7 @@ def _run(items: list[str]) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from pipeline.config import ConfigError, load_config
-    from pipeline.planner import Hardware, report
+    from pipeline.sim.planner import Hardware, report
 
     path = args.items[0] if args.items and "=" not in args.items[0] else None
     try:
@@ -77,7 +77,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _audit(run_dir: str) -> int:
-    from pipeline.audit import audit
+    from pipeline.observe.audit import audit
 
     report = audit(run_dir)
     print(report.table())

@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Any
 
-from pipeline.staleness import StalenessBudget
+from stages.staleness import StalenessBudget
 
 
 class VersionClock:

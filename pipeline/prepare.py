@@ -19,9 +19,9 @@ from pipeline import checkpoint
 from pipeline.checkpoint import Checkpoint
 from pipeline.clock import VersionClock
 from pipeline.config import ConfigError, RunConfig, to_yaml
-from pipeline.monitor import Monitor, make_monitor
-from pipeline.source import PromptDataError, admission_blocks, load_prompts
-from pipeline.staleness import StalenessBudget
+from pipeline.observe.monitor import Monitor, make_monitor
+from pipeline.tasks.source import PromptDataError, admission_blocks, load_prompts
+from stages.staleness import StalenessBudget
 
 
 @dataclass
@@ -68,7 +68,7 @@ class RunContext:
 
     def start_trainer(self):
         if self.cfg.trainer.backend == "sim":
-            from stages.trainer.sim_backend import SimTrainer
+            from stages.sim.trainer import SimTrainer
 
             # It only sleeps: no CPU, so it never competes with the stages for one on a 2-core box.
             return ray.remote(SimTrainer).options(num_cpus=0).remote(dataclasses.asdict(self.cfg.sim))
@@ -81,7 +81,7 @@ class RunContext:
         else:
             from stages.trainer.torch_backend import TorchTrainer as Trainer
 
-            extra["rollout_correction"] = dataclasses.asdict(self.cfg.algorithm.rollout_correction)
+            extra["rollout_correction"] = self.cfg.algorithm.rollout_correction
         # Megatron's ranks compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
         gpus = 0.0
         if t.backend == "megatron" and ray.cluster_resources().get("GPU", 0) > 0:
@@ -91,13 +91,7 @@ class RunContext:
             .options(num_cpus=1, num_gpus=gpus)
             .remote(
                 str(self.model_dir),
-                lr=a.lr,
-                weight_decay=a.weight_decay,
-                clip_ratio_low=a.clip_ratio_low,
-                clip_ratio_high=a.clip_ratio_high,
-                loss_agg_mode=a.loss_agg_mode,
-                grad_clip=a.grad_clip,
-                micro_batch_size=a.micro_batch_size,
+                policy=a.policy(),
                 use_rollout_log_probs=self.cfg.async_training.use_rollout_log_probs,
                 compute_prox_log_prob=self.cfg.async_training.compute_prox_log_prob,
                 seed=t.seed,
@@ -143,8 +137,8 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> tuple[Path, str]:
                 "with the task); set data.train_files to your prompt file"
             )
         return model_dir, cfg.data.train_files
-    from pipeline.embedded import build_embedded
-    from pipeline.warmstart import warm_start
+    from pipeline.tasks.embedded import build_embedded
+    from pipeline.tasks.warmstart import warm_start
 
     d = cfg.data
     task = build_embedded(

@@ -14,12 +14,13 @@ from tqdm import tqdm
 
 from pipeline import checkpoint, sync
 from pipeline.config import RunConfig
+from pipeline.finish import finish_run
+from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import RunContext, prepare
-from pipeline.staleness import StalenessBudget, mode_name
 from pipeline.stream import build_stream, configure_data_context
-from pipeline.summary import FullyAsyncCounters, finish_run, step_metrics
 from pipeline.validate import make_validator
 from stages.sink import TrainingSink
+from stages.staleness import StalenessBudget, mode_name
 
 
 def run(cfg: RunConfig) -> dict:

@@ -1,11 +1,11 @@
 """Weight-sync orchestration between the trainer actor, the VersionClock and the Generate replicas.
 
-`weight_sync.mode: push` (verl's scheme, seed 003's scheme 2): the clock stops admitting, the trainer broadcasts
+`weight_sync.mode: push` (verl's and AReaL's way): the clock stops admitting, the trainer broadcasts
 while every replica pauses its engine (in-flight requests finish with the old weights, or are interrupted with
 partial rollout), receives, relabels its version and resumes; only when every replica has acknowledged does the
 clock advance the version and admit again. The trainer is blocked for all of it.
 
-`weight_sync.mode: pull` (scheme 1, StreamRL/AsyncFlow): the trainer writes the new version to a parameter store
+`weight_sync.mode: pull` (StreamRL's and AsyncFlow's way): the trainer writes the new version to a parameter store
 (one safetensors file under `weight_sync.store`: shared memory on one node by default, any fsspec URL across
 nodes), the clock advances the version at once and tells the replicas, and the trainer goes back to training.
 Each replica loads the newest version at its own safe point: at once with partial rollout (its requests are
@@ -91,7 +91,7 @@ class Push:
 
 
 class Pull:
-    """Scheme 1: publish to the store and return; the replicas load on their own (see the module docstring)."""
+    """Pull mode: publish to the store and return; the replicas load on their own (see the module docstring)."""
 
     def __init__(self, trainer, clock, store: str, run_dir: Path) -> None:
         self.trainer, self.clock = trainer, clock

@@ -1,4 +1,5 @@
-"""Column declarations for every batch the stream carries."""
+"""Column declarations for every batch the stream carries: the contracts every layer imports. Imports nothing of
+ours."""
 
 from schemas.sample import (
     ADMITTED_SCHEMA,

@@ -9,7 +9,7 @@ Invariants:
   current when they were appended (never older than the token before them).
 - `param_version` is the oldest entry of `token_param_version` (the weights that started the response);
   `param_version_end` the newest. They differ only for partial rollouts.
-- A sample's lag is `consumed_version - param_version`; the run's config bounds it (pipeline.staleness).
+- A sample's lag is `consumed_version - param_version`; the run's config bounds it (stages.staleness).
 - Times are seconds since the epoch (float64), measured where the stage runs.
 """
 

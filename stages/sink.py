@@ -7,7 +7,7 @@ Output:         per step, `require_batches` mini-batches of `ppo_mini_batch_size
 Blocks arrive in completion order, not admission order: a long response admitted early may land after short
 ones admitted later. The sink keeps a small buffer of complete groups, trains on the oldest admissions first,
 and before the last steps of a version it waits for the outstanding prompts that would otherwise exceed the lag
-bound (see pipeline.staleness). That makes `lag <= ceil(staleness_threshold)` true by construction, and the
+bound (see stages.staleness). That makes `lag <= ceil(staleness_threshold)` true by construction, and the
 audit checks it from the logs. Data never waits in the sink longer than the bound requires.
 """
 
@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.staleness import StalenessBudget
 from schemas import CONSUMED_SCHEMA, SAMPLE_SCHEMA, require_columns
+from stages.staleness import StalenessBudget
 
 
 @dataclass

@@ -47,7 +47,7 @@ def score_reverse(response_text: str, ground_truth: str) -> float:
 
 
 def score_calc(response_text: str, ground_truth: str) -> float:
-    """Score the embedded multi-turn task (pipeline/embedded_calc.py): 1.0 when the number after the last tool
+    """Score the embedded multi-turn task (pipeline/tasks/embedded_calc.py): 1.0 when the number after the last tool
     response is the product, else 0.0.
 
     Only an answer given after a tool response counts, and only an exact one: with credit for leading digits, the

@@ -26,41 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.trainer.settings import CorrectionSettings
+
 LOG_RATIO_CLAMP = 20.0
-IS_LEVELS = ("token", "sequence")
-RS_MODES = ("sequence", "geometric")
-
-
-@dataclass(frozen=True)
-class CorrectionSettings:
-    """verl's `algorithm.rollout_correction.*` (the subset this trainer implements)."""
-
-    rollout_is: str | None = None
-    rollout_is_threshold: float = 2.0
-    rollout_rs: str | None = None
-    rollout_rs_threshold: float | None = None
-    rollout_rs_threshold_lower: float | None = None
-    rollout_token_veto_threshold: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
-            raise ValueError(f"rollout_is must be one of {IS_LEVELS} or null, not {self.rollout_is!r}")
-        if self.rollout_rs is not None and self.rollout_rs not in RS_MODES:
-            raise ValueError(f"rollout_rs must be one of {RS_MODES} or null, not {self.rollout_rs!r}")
-        if self.rollout_rs is not None and self.rollout_rs_threshold is None:
-            raise ValueError("rollout_rs needs rollout_rs_threshold (the upper bound of the accepted ratio)")
-        if self.rollout_is_threshold <= 0:
-            raise ValueError(f"rollout_is_threshold must be > 0, not {self.rollout_is_threshold}")
-
-    @property
-    def active(self) -> bool:
-        return any(x is not None for x in (self.rollout_is, self.rollout_rs, self.rollout_token_veto_threshold))
-
-    @property
-    def rs_bounds(self) -> tuple[float, float]:
-        upper = float(self.rollout_rs_threshold)
-        lower = self.rollout_rs_threshold_lower
-        return (1.0 / upper if lower is None else float(lower)), upper  # verl's default lower is 1 / upper
 
 
 @dataclass

@@ -25,6 +25,7 @@ import fsspec
 import torch
 
 from stages.trainer.megatron_rank import MegatronRank
+from stages.trainer.settings import PolicySettings
 from stages.trainer.weight_sync import make_weight_sync
 
 
@@ -47,13 +48,7 @@ class MegatronTrainer:
     def __init__(
         self,
         model_dir: str,
-        lr: float,
-        weight_decay: float = 0.0,
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.28,
-        loss_agg_mode: str = "token-mean",
-        grad_clip: float = 1.0,
-        micro_batch_size: int = 32,
+        policy: PolicySettings | None = None,
         use_rollout_log_probs: bool = True,
         compute_prox_log_prob: bool = False,
         seed: int = 0,
@@ -70,13 +65,7 @@ class MegatronTrainer:
             raise ValueError("megatron.pipeline_model_parallel_size > 1 is not supported yet: use tensor parallelism")
         kwargs = dict(
             tensor_model_parallel_size=tensor_model_parallel_size,
-            lr=lr,
-            weight_decay=weight_decay,
-            clip_ratio_low=clip_ratio_low,
-            clip_ratio_high=clip_ratio_high,
-            loss_agg_mode=loss_agg_mode,
-            grad_clip=grad_clip,
-            micro_batch_size=micro_batch_size,
+            policy=policy or PolicySettings(),
             seed=seed,
             torch_threads=torch_threads,
         )

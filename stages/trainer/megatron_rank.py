@@ -17,7 +17,6 @@ aggregation over the mini-batch, rollout logprobs as the anchor, the same masks)
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -26,8 +25,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.trainer.loss import micro_batched_logprobs, ppo_clip_loss
+from stages.trainer.loss import micro_batched_logprobs
 from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, merge, shard, shard_dim, to_hf
+from stages.trainer.settings import PolicySettings
+from stages.trainer.step import Minibatch, StepTotals
 
 
 def _cpu_shims() -> None:
@@ -57,13 +58,7 @@ class MegatronRank:
         world_size: int,
         port: int,
         tensor_model_parallel_size: int = 1,
-        lr: float = 5e-4,
-        weight_decay: float = 0.0,
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.28,
-        loss_agg_mode: str = "token-mean",
-        grad_clip: float = 1.0,
-        micro_batch_size: int = 32,
+        policy: PolicySettings | None = None,
         seed: int = 0,
         torch_threads: int = 1,
     ) -> None:
@@ -91,9 +86,8 @@ class MegatronRank:
         self.model = self._build(seed)
         self._load()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.clip, self.agg = (clip_ratio_low, clip_ratio_high), loss_agg_mode
-        self.grad_clip, self.micro = grad_clip, micro_batch_size
-        self.optimizer = self._optimizer(lr, weight_decay)
+        self.policy = policy or PolicySettings()
+        self.optimizer = self._optimizer()
         self.pad = json.loads((self.model_dir / "config.json").read_text()).get("pad_token_id") or 0
 
     def _build(self, seed: int):
@@ -143,8 +137,9 @@ class MegatronRank:
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=self.cuda)
         return DistributedDataParallel(config, ddp, model)
 
-    def _optimizer(self, lr: float, weight_decay: float):
+    def _optimizer(self):
         """torch AdamW on CPU; on GPU megatron's distributed optimizer with the same hyper-parameters and clip."""
+        lr, weight_decay = self.policy.lr, self.policy.weight_decay
         if not self.cuda:
             return torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -156,7 +151,7 @@ class MegatronRank:
             adam_beta1=0.9,
             adam_beta2=0.999,
             adam_eps=1e-8,
-            clip_grad=self.grad_clip,
+            clip_grad=self.policy.grad_clip,
             use_distributed_optimizer=True,
             params_dtype=torch.float32,
         )
@@ -204,87 +199,48 @@ class MegatronRank:
 
     @torch.no_grad()
     def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
-        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.micro)
+        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size)
 
     # --- training ------------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]], recompute: bool = False) -> dict[str, float]:
         """TorchTrainer.train_step's contract: one optimizer update per mini-batch, the same metric keys."""
-        start = time.monotonic()
-        keys = ("loss", "grad_norm", "clipped", "ratio", "kl", "tokens")
-        totals = dict.fromkeys(keys, 0.0)
+        totals = StepTotals()
         anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"]) if recompute else None for mb in minibatches]
         update = self._update_cuda if self.cuda else self._update
-        for mb, anchor in zip(minibatches, anchors, strict=True):
-            stats = update(mb, anchor)
-            for key in keys:
-                totals[key] += stats[key]
-        n, tokens = len(minibatches), totals["tokens"]
-        return {
-            "train/loss": totals["loss"] / n,
-            "train/grad_norm": totals["grad_norm"] / n,
-            "train/pg_clipfrac": totals["clipped"] / max(tokens, 1),
-            "train/ratio_mean": totals["ratio"] / max(tokens, 1),
-            "train/ppo_kl": totals["kl"] / max(tokens, 1),
-            "train/num_tokens": float(tokens),
-            "timing/train_s": time.monotonic() - start,
-        }
+        for rows, anchor in zip(minibatches, anchors, strict=True):
+            update(Minibatch.of(rows, self.policy.loss_agg_mode, anchor), totals)
+        return totals.metrics()
 
-    def _update(self, mb: dict[str, list], anchor: list | None) -> dict[str, float]:
-        rows = len(mb["response_ids"])
-        masks = [np.asarray(m, dtype=np.float32) for m in mb["response_mask"]]
-        old_rows = anchor if anchor is not None else mb["response_logprobs"]
-        num_tokens = float(sum(m.sum() for m in masks))
-        denominator = max(num_tokens, 1.0) if self.agg == "token-mean" else float(rows)
+    def _update(self, mb: Minibatch, totals: StepTotals) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "tokens": num_tokens}
-        for lo in range(0, rows, self.micro):
-            sl = slice(lo, lo + self.micro)
-            logp, mask = self._token_logprobs(mb["prompt_ids"][sl], mb["response_ids"][sl])
-            old = _pad([np.asarray(x, np.float32) for x in old_rows[sl]], logp.shape[1]).to(self.device)
-            mask = mask * _pad(masks[sl], logp.shape[1]).to(self.device)
-            adv = torch.tensor(np.asarray(mb["advantage"][sl], np.float32), device=self.device)
-            res = ppo_clip_loss(logp, old, adv, mask, *self.clip, self.agg, denominator)
+        for sl in mb.slices(self.policy.micro_batch_size):
+            res = mb.loss(self._token_logprobs, sl, self.policy, self.device)
             res.loss.backward()
-            out["loss"] += res.loss.detach().item()
-            out["clipped"] += res.clipped_tokens
-            out["ratio"] += res.ratio_sum
-            out["kl"] += res.kl_sum
+            totals.add_micro(res)
         self.model.finish_grad_sync()  # DP all-reduce of the grad buffers (a no-op copy at DP=1)
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype)
-        out["grad_norm"] = self._clip_grads()
+        grad_norm = self._clip_grads()
         self.optimizer.step()
-        return out
+        totals.add_update(mb.num_tokens, grad_norm)
 
-    def _update_cuda(self, mb: dict[str, list], anchor: list | None) -> dict[str, float]:
+    def _update_cuda(self, mb: Minibatch, totals: StepTotals) -> None:
         """Unverified here (no GPU): megatron's schedule drives the micro-batches, its optimizer clips and steps."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        rows = len(mb["response_ids"])
-        masks = [np.asarray(m, dtype=np.float32) for m in mb["response_mask"]]
-        old_rows = anchor if anchor is not None else mb["response_logprobs"]
-        num_tokens = float(sum(m.sum() for m in masks))
-        denominator = max(num_tokens, 1.0) if self.agg == "token-mean" else float(rows)
-        slices = [slice(lo, lo + self.micro) for lo in range(0, rows, self.micro)]
-        out = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "tokens": num_tokens}
+        slices = mb.slices(self.policy.micro_batch_size)
 
         def forward_step(data_iterator, model):
             sl = next(data_iterator)
-            logp, mask = self._token_logprobs(mb["prompt_ids"][sl], mb["response_ids"][sl])
-            old = _pad([np.asarray(x, np.float32) for x in old_rows[sl]], logp.shape[1]).to(self.device)
-            mask = mask * _pad(masks[sl], logp.shape[1]).to(self.device)
-            adv = torch.tensor(np.asarray(mb["advantage"][sl], np.float32), device=self.device)
 
-            def loss_func(output):
-                res = ppo_clip_loss(output, old, adv, mask, *self.clip, self.agg, denominator)
-                for key, value in (("clipped", res.clipped_tokens), ("ratio", res.ratio_sum), ("kl", res.kl_sum)):
-                    out[key] += value
-                out["loss"] += res.loss.detach().item()
+            def loss_func(logp_and_mask):
+                res = mb.loss(lambda *_: logp_and_mask, sl, self.policy, self.device)
+                totals.add_micro(res)
                 # The schedule divides by the micro-batch count; ours is already the mini-batch's share.
                 return res.loss * len(slices), {}
 
-            return logp, loss_func
+            return self._token_logprobs(mb.rows["prompt_ids"][sl], mb.rows["response_ids"][sl]), loss_func
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -294,12 +250,11 @@ class MegatronRank:
             model=[self.model],
             num_microbatches=len(slices),
             seq_length=0,  # only pipeline parallelism reads these
-            micro_batch_size=self.micro,
+            micro_batch_size=self.policy.micro_batch_size,
             forward_only=False,
         )
         _, grad_norm, _ = self.optimizer.step()
-        out["grad_norm"] = float(grad_norm or 0.0)
-        return out
+        totals.add_update(mb.num_tokens, float(grad_norm or 0.0))
 
     def _clip_grads(self) -> float:
         """torch's clip_grad_norm_ over the whole model: TP shards count once each, replicated params once."""
@@ -309,7 +264,7 @@ class MegatronRank:
                 squares += p.grad.double().pow(2).sum()
         dist.all_reduce(squares, group=self.tp_group)
         norm = float(squares.sqrt())
-        coef = self.grad_clip / (norm + 1e-6)
+        coef = self.policy.grad_clip / (norm + 1e-6)
         if coef < 1.0:
             for p in self.params:
                 p.grad.mul_(coef)
@@ -387,10 +342,3 @@ class MegatronRank:
 
     def load_optimizer_state(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
-
-
-def _pad(rows: list[np.ndarray], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.as_tensor(row[:width])
-    return out

@@ -24,27 +24,21 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from stages.trainer.correction import CorrectionSettings, finalize_stats, merge_stats, rollout_correction
-from stages.trainer.loss import micro_batched_logprobs, ppo_clip_loss
+from stages.trainer.correction import finalize_stats, merge_stats, rollout_correction
+from stages.trainer.loss import micro_batched_logprobs
+from stages.trainer.settings import CorrectionSettings, PolicySettings
+from stages.trainer.step import Minibatch, StepTotals, pad_rows
 from stages.trainer.weight_sync import make_weight_sync
-
-_NEEDS = ("prompt_ids", "response_ids", "response_logprobs", "response_mask", "advantage")
 
 
 class TorchTrainer:
     def __init__(
         self,
         model_dir: str,
-        lr: float,
-        weight_decay: float = 0.0,
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.28,
-        loss_agg_mode: str = "token-mean",
-        grad_clip: float = 1.0,
-        micro_batch_size: int = 32,
+        policy: PolicySettings | None = None,
         use_rollout_log_probs: bool = True,
         compute_prox_log_prob: bool = False,
-        rollout_correction: dict[str, Any] | None = None,
+        rollout_correction: CorrectionSettings | None = None,
         seed: int = 0,
         torch_threads: int = 1,
         optimizer_state: str | None = None,
@@ -55,15 +49,16 @@ class TorchTrainer:
 
         torch.manual_seed(seed)
         torch.set_num_threads(torch_threads)
+        self.policy = policy or PolicySettings()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.policy.lr, weight_decay=self.policy.weight_decay
+        )
         if optimizer_state:
             self.optimizer.load_state_dict(torch.load(optimizer_state, weights_only=True))
         self.model_dir = Path(model_dir)
-        self.clip = (clip_ratio_low, clip_ratio_high)
-        self.agg, self.grad_clip, self.micro = loss_agg_mode, grad_clip, micro_batch_size
-        self.correction = CorrectionSettings(**(rollout_correction or {}))
+        self.correction = rollout_correction or CorrectionSettings()
         self.recompute = compute_prox_log_prob or not use_rollout_log_probs
         if self.correction.active and not self.recompute:
             raise ValueError("rollout correction compares proximal and behaviour logprobs: set compute_prox_log_prob")
@@ -73,66 +68,37 @@ class TorchTrainer:
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
         """One trainer step: an optimizer update per mini-batch. Each mini-batch maps column -> list of rows."""
-        start = time.monotonic()
-        totals: dict[str, float] = {"loss": 0.0, "grad_norm": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0}
-        tokens, correction = 0, {}
-        for mb in minibatches:
-            missing = [c for c in _NEEDS if c not in mb]
-            if missing:
-                raise KeyError(f"TorchTrainer needs columns {missing}")
+        totals, correction = StepTotals(), {}
+        agg = self.policy.loss_agg_mode
         # The proximal anchor is the weights at the start of the step: all of it before the first update.
         anchors: list = [None] * len(minibatches)
         if self.recompute:
             anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"]) for mb in minibatches]
-        for mb, anchor in zip(minibatches, anchors, strict=True):
-            stats = self._update(mb, anchor, correction)
-            for key in totals:
-                totals[key] += stats[key]
-            tokens += stats["tokens"]
-        n = len(minibatches)
-        extra = finalize_stats(correction) if correction else {}
-        return extra | {
-            "train/loss": totals["loss"] / n,
-            "train/grad_norm": totals["grad_norm"] / n,
-            "train/pg_clipfrac": totals["clipped"] / max(tokens, 1),
-            "train/ratio_mean": totals["ratio"] / max(tokens, 1),
-            "train/ppo_kl": totals["kl"] / max(tokens, 1),
-            "train/num_tokens": float(tokens),
-            "timing/train_s": time.monotonic() - start,
-        }
+        for rows, anchor in zip(minibatches, anchors, strict=True):
+            masks, weights = None, None
+            if anchor is not None:  # decoupled PPO: the ratio is against the proximal policy, IS against behaviour
+                masks, weights = self._correct(anchor, rows["response_logprobs"], rows["response_mask"], correction)
+            self._update(Minibatch.of(rows, agg, anchor, masks, weights), totals)
+        return (finalize_stats(correction) if correction else {}) | totals.metrics()
 
-    def _update(self, mb: dict[str, list], prox: list | None, correction: dict[str, float]) -> dict[str, float]:
-        rows = len(mb["response_ids"])
-        masks = [np.asarray(m, dtype=np.float32) for m in mb["response_mask"]]
-        old_rows, weights = mb["response_logprobs"], None
-        if prox is not None:  # decoupled PPO: the ratio is against the proximal policy, IS against the behaviour
-            old_rows, masks, weights = prox, *self._correct(prox, mb["response_logprobs"], masks, correction)
-        num_tokens = float(sum(m.sum() for m in masks))
-        denominator = max(num_tokens, 1.0) if self.agg == "token-mean" else float(rows)
+    def _update(self, mb: Minibatch, totals: StepTotals) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        out = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "tokens": num_tokens}
-        for lo in range(0, rows, self.micro):
-            sl = slice(lo, lo + self.micro)
-            logp, mask = self._token_logprobs(mb["prompt_ids"][sl], mb["response_ids"][sl])
-            old = _pad([np.asarray(x, np.float32) for x in old_rows[sl]], logp.shape[1])
-            mask = mask * _pad(masks[sl], logp.shape[1])
-            adv = torch.tensor(np.asarray(mb["advantage"][sl], np.float32))
-            w = None if weights is None else weights[sl, : logp.shape[1]]
-            res = ppo_clip_loss(logp, old, adv, mask, *self.clip, self.agg, denominator, w)
+        for sl in mb.slices(self.policy.micro_batch_size):
+            res = mb.loss(self._token_logprobs, sl, self.policy)
             res.loss.backward()
-            out["loss"] += res.loss.detach().item()
-            out["clipped"] += res.clipped_tokens
-            out["ratio"] += res.ratio_sum
-            out["kl"] += res.kl_sum
-        out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+            totals.add_micro(res)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.grad_clip))
         self.optimizer.step()
-        return out
+        totals.add_update(mb.num_tokens, grad_norm)
 
     def _correct(self, prox: list, behaviour: list, masks: list, totals: dict) -> tuple[list, torch.Tensor | None]:
         """Rejection-masked token masks and the IS weights (None without `rollout_is`) of one mini-batch."""
+        masks = [np.asarray(m, np.float32) for m in masks]
         width = max((len(m) for m in masks), default=0)
         as_rows = [np.asarray(x, np.float32) for x in prox], [np.asarray(x, np.float32) for x in behaviour]
-        corr = rollout_correction(_pad(as_rows[0], width), _pad(as_rows[1], width), _pad(masks, width), self.correction)
+        corr = rollout_correction(
+            pad_rows(as_rows[0], width), pad_rows(as_rows[1], width), pad_rows(masks, width), self.correction
+        )
         merge_stats(totals, corr.stats)
         kept = [corr.mask[i, : len(m)].numpy() for i, m in enumerate(masks)]
         return kept, corr.weights if self.correction.rollout_is else None
@@ -159,7 +125,7 @@ class TorchTrainer:
     @torch.no_grad()
     def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
         """Response-token logprobs under the current weights, in micro-batches (proximal anchors; tests)."""
-        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.micro)
+        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size)
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, url: str) -> float:
@@ -223,10 +189,3 @@ class TorchTrainer:
     def set_weight(self, name: str, value: float) -> None:
         """Fill one parameter with a constant (tests use it to prove a push changes the engine)."""
         dict(self._named_weights())[name].fill_(value)
-
-
-def _pad(rows: list[np.ndarray], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.as_tensor(row[:width])
-    return out

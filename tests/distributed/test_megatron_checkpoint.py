@@ -6,14 +6,15 @@ Each trainer runs in its own spawned process (a MegatronTrainer owns its process
 
 import torch.multiprocessing as mp
 
-from pipeline.embedded import build_embedded
+from pipeline.tasks.embedded import build_embedded
+from stages.trainer.settings import PolicySettings
 from tests.distributed.test_megatron_tp import _minibatch
 
 
 def _trainer(model_dir: str, queue, save_to: str = "", optimizer_state: str | None = None) -> None:
     from stages.trainer.megatron_backend import MegatronTrainer
 
-    trainer = MegatronTrainer(model_dir, lr=1e-4, micro_batch_size=4, optimizer_state=optimizer_state)
+    trainer = MegatronTrainer(model_dir, PolicySettings(lr=1e-4, micro_batch_size=4), optimizer_state=optimizer_state)
     mb = _minibatch(1)
     mb["response_logprobs"] = [[-5.0] * len(r) for r in mb["response_ids"]]
     if save_to:

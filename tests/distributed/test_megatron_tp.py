@@ -14,7 +14,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipeline.embedded import build_embedded
+from pipeline.tasks.embedded import build_embedded
+from stages.trainer.settings import PolicySettings
+
+POLICY = PolicySettings(lr=1e-4, micro_batch_size=4)
 
 STEPS = 3
 TOL = 1e-5
@@ -41,7 +44,7 @@ def _minibatch(seed: int = 0) -> dict[str, list]:
 def _rank(rank: int, world: int, port: int, model_dir: str, queue) -> None:
     from stages.trainer.megatron_rank import MegatronRank
 
-    trainer = MegatronRank(model_dir, rank, world, port, tensor_model_parallel_size=world, lr=1e-4, micro_batch_size=4)
+    trainer = MegatronRank(model_dir, rank, world, port, tensor_model_parallel_size=world, policy=POLICY)
     mb = _minibatch()
     start = {name: t.numpy().copy() for name, t in trainer.export(bucket_bytes=64 << 10)}
     mb["response_logprobs"] = trainer.logprobs(mb["prompt_ids"], mb["response_ids"])

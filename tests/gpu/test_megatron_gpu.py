@@ -11,10 +11,11 @@ import torch
 from pipeline import sync
 from pipeline.clock import VersionClock
 from pipeline.config import CONF_DIR
-from pipeline.embedded import build_embedded
-from pipeline.staleness import StalenessBudget
+from pipeline.tasks.embedded import build_embedded
 from stages.generate import VLLMGenerate
+from stages.staleness import StalenessBudget
 from stages.trainer.megatron_backend import MegatronTrainer
+from stages.trainer.settings import PolicySettings
 from tests.pipeline.test_megatron import MAX_TOKENS, TEXTS, _hf_greedy
 from tests.pipeline.test_weight_sync import prompts
 
@@ -33,7 +34,7 @@ def _push_and_compare(ray, tmp_path, backend: str, trainer_gpus: float, engine_g
     trainer = (
         ray.remote(MegatronTrainer)
         .options(num_cpus=1, num_gpus=trainer_gpus)
-        .remote(str(task.model_dir), lr=1e-5, weight_sync_backend=backend)
+        .remote(str(task.model_dir), PolicySettings(lr=1e-5), weight_sync_backend=backend)
     )
     engine = (
         ray.remote(VLLMGenerate)

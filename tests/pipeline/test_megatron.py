@@ -20,10 +20,11 @@ import torch
 from pipeline import sync
 from pipeline.clock import VersionClock
 from pipeline.config import CONF_DIR
-from pipeline.embedded import build_embedded, build_model
-from pipeline.staleness import StalenessBudget
+from pipeline.tasks.embedded import build_embedded, build_model
 from stages.generate import VLLMGenerate
+from stages.staleness import StalenessBudget
 from stages.trainer.megatron_backend import MegatronTrainer
+from stages.trainer.settings import PolicySettings
 from tests.pipeline.test_weight_sync import prompts
 
 MAX_TOKENS = 12
@@ -67,7 +68,11 @@ def test_megatron_weights_in_the_engine_give_hf_greedy_tokens(ray_session, tmp_p
         .options(name="clock-mg", namespace="mg", num_cpus=0, max_concurrency=100)
         .remote(StalenessBudget(0.0, 1, 1, 2), 1)
     )
-    trainer = ray.remote(MegatronTrainer).options(num_cpus=1).remote(str(other), lr=1e-5, tensor_model_parallel_size=2)
+    trainer = (
+        ray.remote(MegatronTrainer)
+        .options(num_cpus=1)
+        .remote(str(other), PolicySettings(lr=1e-5), tensor_model_parallel_size=2)
+    )
     engine = (
         ray.remote(VLLMGenerate)
         .options(num_cpus=1)

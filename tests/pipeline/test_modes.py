@@ -7,8 +7,8 @@ import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.audit import audit
 from pipeline.config import CONF_DIR
+from pipeline.observe.audit import audit
 
 # 34 prompts at 4 per step: 8 steps, and 2 prompts that may be admitted but never trained on (reported).
 SMALL = [

@@ -16,9 +16,10 @@ import pytest
 
 from pipeline import sync
 from pipeline.clock import VersionClock
-from pipeline.embedded import build_embedded
-from pipeline.staleness import StalenessBudget
+from pipeline.tasks.embedded import build_embedded
 from stages.generate import VLLMGenerate
+from stages.staleness import StalenessBudget
+from stages.trainer.settings import PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
 from tests.pipeline.test_weight_sync import TOL, prompts
 
@@ -37,8 +38,10 @@ def test_sync_mid_response(ray_session, tmp_path, mode):
         .options(name="clock", namespace=ns, num_cpus=0, max_concurrency=100)
         .remote(StalenessBudget(0.5, 1, 1, 2), 1)
     )
-    trainer = ray.remote(TorchTrainer).options(num_cpus=1).remote(str(task.model_dir), lr=5e-2)
-    old_policy = ray.remote(TorchTrainer).options(num_cpus=0).remote(str(task.model_dir), lr=0.0)  # version 0
+    trainer = ray.remote(TorchTrainer).options(num_cpus=1).remote(str(task.model_dir), PolicySettings(lr=5e-2))
+    old_policy = (
+        ray.remote(TorchTrainer).options(num_cpus=0).remote(str(task.model_dir), PolicySettings(lr=0.0))
+    )  # version 0
     engine = (
         ray.remote(VLLMGenerate)
         .options(num_cpus=1)

@@ -1,5 +1,6 @@
-"""Pull weight sync (seed 003's scheme 1): the trainer publishes each version and goes on; every replica loads the
-newest at its own safe point. Replicas run different versions at the same moment and the audit stays exact."""
+"""Pull weight sync (a parameter store, as in StreamRL): the trainer publishes each version and goes on; every
+replica loads the newest at its own safe point. Replicas run different versions at the same moment and the audit
+stays exact."""
 
 import json
 from pathlib import Path

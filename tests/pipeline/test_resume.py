@@ -18,7 +18,7 @@ import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.audit import audit
+from pipeline.observe.audit import audit
 
 ROOT = Path(__file__).resolve().parents[2]
 # 50 prompts at 4 per step: 12 steps, sync every step, a checkpoint every 2.

@@ -1,8 +1,8 @@
-"""pipeline.samples on a real partial-rollout run: the tables agree with the run's summary and with each other."""
+"""pipeline.observe.samples on a real partial-rollout run: the tables agree with the summary and each other."""
 
 import pytest
 
-from pipeline import samples
+from pipeline.observe import samples
 
 
 @pytest.mark.slow

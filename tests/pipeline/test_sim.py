@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.dataset as pds
 import pytest
 
-from pipeline.workload import Workload
+from stages.sim.workload import Workload
 
 # 4 prompts x 4 responses per step. Generation 1 + 100 x 0.1 = 11 s, training 1600 tokens x 0.02 = 32 s, sync 2 s;
 # at time_scale 0.02: 0.22 s, 0.64 s and 0.04 s of wall time.

@@ -14,9 +14,10 @@ import pytest
 
 from pipeline import sync
 from pipeline.clock import VersionClock
-from pipeline.embedded import build_embedded
-from pipeline.staleness import StalenessBudget
+from pipeline.tasks.embedded import build_embedded
 from stages.generate import VLLMGenerate
+from stages.staleness import StalenessBudget
+from stages.trainer.settings import PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
 
 TOL = 1e-4
@@ -49,7 +50,7 @@ def test_pushed_weights_reach_the_engine(ray_session, tmp_path):
         .options(name="clock-ws", namespace="ws", num_cpus=0, max_concurrency=100)
         .remote(StalenessBudget(0.0, 1, 1, 2), 1)
     )
-    trainer = ray.remote(TorchTrainer).options(num_cpus=1).remote(str(task.model_dir), lr=5e-2)
+    trainer = ray.remote(TorchTrainer).options(num_cpus=1).remote(str(task.model_dir), PolicySettings(lr=5e-2))
     engine = (
         ray.remote(VLLMGenerate)
         .options(num_cpus=1)

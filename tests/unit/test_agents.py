@@ -281,7 +281,7 @@ def test_the_loss_ignores_masked_tool_tokens():
 def test_the_audit_checks_that_per_token_columns_line_up():
     import pyarrow as pa
 
-    from pipeline.audit import _per_token_columns
+    from pipeline.observe.audit import _per_token_columns
 
     good = {"num_tokens": 3, "response_ids": [1, 2, 3], "response_logprobs": [-0.1, 0.0, -0.2]}
     good |= {"token_param_version": [0, 1, 1], "response_mask": [1, 0, 1]}

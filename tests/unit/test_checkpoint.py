@@ -8,7 +8,7 @@ import pytest
 
 from pipeline import checkpoint
 from pipeline.checkpoint import ResumeError
-from pipeline.source import admission_blocks
+from pipeline.tasks.source import admission_blocks
 
 
 def _samples(prompts):

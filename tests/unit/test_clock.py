@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from pipeline.clock import VersionClock
-from pipeline.staleness import StalenessBudget
+from stages.staleness import StalenessBudget
 
 
 def run(coro):

@@ -77,7 +77,9 @@ def test_sim_section_and_backend_are_checked():
         load_config(None, ["sim.decode_s_per_tokn=0.1"])
     with pytest.raises(ConfigError, match=r"sim.slots = 0 is out of range"):
         load_config(None, ["sim.slots=0"])
-    with pytest.raises(ConfigError, match="trainer.backend must be one of torch, sim"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.backend': Invalid value 'jax', expected one of \['torch', 'megatron', 'sim'\]"
+    ):
         load_config(None, ["trainer.backend=jax"])
     with pytest.raises(ConfigError, match="no weights to checkpoint"):
         load_config(CONF_DIR / "sim" / "toy.yaml", ["trainer.save_freq=2"])
@@ -111,3 +113,29 @@ def test_prompt_and_response_must_fit_the_model(tmp_path, config, fits):
         return
     with pytest.raises(ConfigError, match=r"= 272 tokens, more than the model's 256 positions"):
         check_context(cfg, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor.loss_agg_mode=token-men", r"actor.loss_agg_mode.*expected one of .*Did you mean 'token-mean'\?"),
+        ("weight_sync.mode=pul", r"weight_sync.mode.*Did you mean 'pull'\?"),
+        ("async_training.partial_rollout_mode=kep", r"partial_rollout_mode.*Did you mean 'keep'\?"),
+        ("algorithm.rollout_correction.rollout_is=tokn", r"rollout_is.*Did you mean 'token'\?"),
+    ],
+)
+def test_a_choice_outside_its_type_names_the_nearest_value(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_a_moved_stage_class_names_its_new_path():
+    with pytest.raises(ConfigError, match="has moved: use 'stages.sim.generate.SimGenerate'"):
+        load_config(None, ["stages.generate._target_=stages.sim_generate.SimGenerate"])
+
+
+def test_actor_section_is_the_trainer_policy_settings():
+    cfg = load_config(None, ["actor.clip_ratio_high=0.3", "actor.micro_batch_size=4"])
+    policy = cfg.actor.policy()
+    assert (policy.clip_ratio_high, policy.micro_batch_size, policy.lr) == (0.3, 4, cfg.actor.lr)
+    assert not hasattr(policy, "ppo_mini_batch_size")

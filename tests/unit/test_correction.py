@@ -110,7 +110,7 @@ def test_is_weights_scale_the_token_loss():
     "kw, message",
     [
         ({"rollout_is": "tokens"}, "rollout_is must be one of"),
-        ({"rollout_rs": "sequence"}, "needs rollout_rs_threshold"),
+        ({"rollout_rs": "sequence"}, "rollout_rs needs algorithm.rollout_correction.rollout_rs_threshold"),
         ({"rollout_rs": "seq"}, "rollout_rs must be one of"),
         ({"rollout_is_threshold": 0.0}, "must be > 0"),
     ],

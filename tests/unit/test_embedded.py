@@ -6,7 +6,7 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embedded import DATA_SOURCE, LETTERS, MAX_LETTERS, build_embedded, make_rows
+from pipeline.tasks.embedded import DATA_SOURCE, LETTERS, MAX_LETTERS, build_embedded, make_rows
 from stages.verifiers import VERIFIERS, score_reverse
 
 
@@ -110,7 +110,7 @@ def test_build_embedded_is_deterministic(task, tmp_path):
 def test_warm_start_lowers_the_loss_and_saves(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.warmstart import warm_start
+    from pipeline.tasks.warmstart import warm_start
 
     fresh = build_embedded(tmp_path, num_prompts=64, seed=0)
     stats = warm_start(fresh.model_dir, fresh.data_file, steps=20, lr=2e-3, seed=0, batch_size=8)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.embedded import build_embedded
-from pipeline.embedded_calc import demonstration, make_rows, tool_call_text
-from pipeline.warmstart import encode_examples
+from pipeline.tasks.embedded import build_embedded
+from pipeline.tasks.embedded_calc import demonstration, make_rows, tool_call_text
+from pipeline.tasks.warmstart import encode_examples
 from stages.agents.hermes import parse_tool_calls
 from stages.agents.tool_agent import TOOL_RESPONSE
 from stages.verifiers import score_calc

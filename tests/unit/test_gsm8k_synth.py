@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.gsm8k_synth import INSTRUCTION, TEMPLATES, make_splits, write_splits
-from pipeline.source import load_prompts
+from pipeline.tasks.gsm8k_synth import INSTRUCTION, TEMPLATES, make_splits, write_splits
+from pipeline.tasks.source import load_prompts
 from stages.math_verifier import score_math
 from stages.verifiers import VERIFIERS
 
@@ -84,7 +84,7 @@ def test_committed_files_are_the_generators_output(tmp_path):
 
 
 def test_committed_prompts_fit_the_embedded_model(tmp_path):
-    from pipeline.embedded import MAX_POSITIONS, build_tokenizer
+    from pipeline.tasks.embedded import MAX_POSITIONS, build_tokenizer
 
     tokenizer = build_tokenizer(tmp_path, seed=0)
     # The embedded tokenizer has no chat template and learned no English merges: about one token per character,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
-from pipeline.embedded import build_model
+from pipeline.tasks.embedded import build_model
 from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, merge, shard, to_hf
 
 

@@ -3,7 +3,7 @@
 import pyarrow as pa
 import pytest
 
-from pipeline.summary import FullyAsyncCounters
+from pipeline.observe.metrics import FullyAsyncCounters
 
 
 def batch(rows: list[tuple[str, int, int]]) -> pa.Table:

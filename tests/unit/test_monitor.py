@@ -14,7 +14,7 @@ import requests
 from mlflow import MlflowClient
 
 from pipeline.config import ConfigError, load_config
-from pipeline.monitor import PARAMS_PER_BATCH, MlflowMonitor, flatten, make_monitor
+from pipeline.observe.monitor import PARAMS_PER_BATCH, MlflowMonitor, flatten, make_monitor
 
 
 def sqlite_uri(path: Path) -> str:

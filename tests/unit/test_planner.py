@@ -9,8 +9,8 @@ import pytest
 from bench.calibrate import ASYNC_STEP, COLO_GEN, COLO_STEP
 from bench.modes import colocated_overrides, per_unit, setting
 from pipeline.config import load_config
-from pipeline.des import simulate
-from pipeline.planner import Hardware, candidates, colocated
+from pipeline.sim.des import simulate
+from pipeline.sim.planner import Hardware, candidates, colocated
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "conf" / "sim" / "verl_7b_128gpu.yaml"

@@ -1,4 +1,4 @@
-"""pipeline.samples and pipeline.plots on a hand-built run directory whose every number is known."""
+"""pipeline.observe.samples and pipeline.observe.plots on a hand-built run directory whose every number is known."""
 
 import os
 import time
@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import plots, samples
+from pipeline.observe import plots, samples
 from schemas import CONSUMED_SCHEMA, SAMPLE_SCHEMA
 
 matplotlib.use("Agg")

@@ -3,9 +3,9 @@
 import pyarrow as pa
 import pytest
 
-from pipeline.staleness import StalenessBudget
 from schemas import SAMPLE_SCHEMA
 from stages.sink import TrainingSink
+from stages.staleness import StalenessBudget
 
 N = 2  # responses per prompt
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.staleness import StalenessBudget, mode_name
+from stages.staleness import StalenessBudget, mode_name
 
 
 def budget(s: float, k: int = 1, rb: int = 1, mb: int = 8) -> StalenessBudget:
@@ -30,12 +30,12 @@ def test_stream_off_policy_admits_k_steps_per_version():
     ("s", "k", "rb", "mb", "expected"),
     [
         (0.5, 1, 1, 8, 12),
-        (0.5, 4, 4, 32, 768),  # seed 001's 7B setting: 1.5 * 4 * 4 * 32
+        (0.5, 4, 4, 32, 768),  # verl's published 7B setting: 1.5 * 4 * 4 * 32
         (1.0, 2, 1, 8, 32),
         (0.1, 1, 1, 30, 33),  # (1 + 0.1) * 30 is 33.000000000000004 in floats
         (0.3, 1, 1, 10, 13),
         (0.25, 1, 1, 10, 12),  # 12.5 -> floor: never admit more than allowed
-        (3.0, 2, 4, 256, 8192),  # seed 000's worked example: 1024 * 4 * 2
+        (3.0, 2, 4, 256, 8192),  # the worked example of verl's design notes: 1024 * 4 * 2
     ],
 )
 def test_max_required_samples_matches_verl(s, k, rb, mb, expected):

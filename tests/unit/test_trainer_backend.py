@@ -4,9 +4,9 @@ import inspect
 
 import pytest
 
+from stages.sim.trainer import SimTrainer
 from stages.trainer.backend import TrainerBackend, WeightedBackend
 from stages.trainer.megatron_backend import MegatronTrainer
-from stages.trainer.sim_backend import SimTrainer
 from stages.trainer.torch_backend import TorchTrainer
 
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.embedded import build_embedded
+from pipeline.tasks.embedded import build_embedded
+from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
 
 
@@ -31,11 +32,11 @@ def _minibatch(trainer, seed, shift=0.0):
 
 
 def _trainer(model_dir, **kw):
-    return TorchTrainer(model_dir, lr=1e-2, compute_prox_log_prob=True, **kw)
+    return TorchTrainer(model_dir, PolicySettings(lr=1e-2), compute_prox_log_prob=True, **kw)
 
 
 def test_on_policy_behaviour_gives_unit_weights_and_zero_kl(model_dir):
-    trainer = _trainer(model_dir, rollout_correction={"rollout_is": "token", "rollout_is_threshold": 2.0})
+    trainer = _trainer(model_dir, rollout_correction=CorrectionSettings(rollout_is="token", rollout_is_threshold=2.0))
     m = trainer.train_step([_minibatch(trainer, 0)])
     assert m["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-5)
     assert m["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -52,7 +53,7 @@ def test_anchor_is_taken_before_the_first_update(model_dir):
 
 
 def test_stale_behaviour_is_weighted_and_truncated(model_dir):
-    trainer = _trainer(model_dir, rollout_correction={"rollout_is": "token", "rollout_is_threshold": 1.5})
+    trainer = _trainer(model_dir, rollout_correction=CorrectionSettings(rollout_is="token", rollout_is_threshold=1.5))
     m = trainer.train_step([_minibatch(trainer, 3, shift=math.log(0.5))])  # the engine was half as likely
     assert m["rollout_corr/rollout_is_mean"] == pytest.approx(2.0, rel=1e-4)
     assert m["rollout_corr/rollout_is_clipped_fraction"] == 1.0
@@ -60,7 +61,8 @@ def test_stale_behaviour_is_weighted_and_truncated(model_dir):
 
 
 def test_rejection_drops_every_token(model_dir):
-    trainer = _trainer(model_dir, rollout_correction={"rollout_rs": "geometric", "rollout_rs_threshold": 1.5})
+    rejection = CorrectionSettings(rollout_rs="geometric", rollout_rs_threshold=1.5)
+    trainer = _trainer(model_dir, rollout_correction=rejection)
     m = trainer.train_step([_minibatch(trainer, 4, shift=math.log(0.5))])
     assert m["rollout_corr/rollout_rs_masked_seq_fraction"] == 1.0
     assert m["train/loss"] == 0.0 and m["train/grad_norm"] == 0.0
@@ -68,7 +70,7 @@ def test_rejection_drops_every_token(model_dir):
 
 def test_correction_needs_the_proximal_logprobs(model_dir):
     with pytest.raises(ValueError, match="compute_prox_log_prob"):
-        TorchTrainer(model_dir, lr=1e-3, rollout_correction={"rollout_is": "token"})
+        TorchTrainer(model_dir, PolicySettings(lr=1e-3), rollout_correction=CorrectionSettings(rollout_is="token"))
     with pytest.raises(ConfigError, match="async_training.compute_prox_log_prob=true"):
         load_config(None, ["algorithm.rollout_correction.rollout_is=token"])
     with pytest.raises(ConfigError, match="Did you mean 'rollout_is_threshold'"):

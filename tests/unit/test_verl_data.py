@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.source import PromptDataError, load_prompts
+from pipeline.tasks.source import PromptDataError, load_prompts
 
 # A ChatML template, as Qwen's: enough to see the roles and the generation prompt in the rendered text.
 CHATML = (
@@ -38,7 +38,7 @@ def write(tmp_path, rows: list[dict], suffix: str = "parquet"):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pipeline.embedded import build_tokenizer
+    from pipeline.tasks.embedded import build_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(out, seed=0)

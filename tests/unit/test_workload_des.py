@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from pipeline.des import Setting, simulate
-from pipeline.staleness import StalenessBudget
-from pipeline.workload import Workload, bubble_bound, tail_utilisation
+from pipeline.sim.des import Setting, simulate
+from stages.sim.workload import Workload, bubble_bound, tail_utilisation
+from stages.staleness import StalenessBudget
 
 # 4 prompts x 8 responses of 100 tokens on 64 slots: generation 1 + 100 x 0.1 = 11 s, training 3200 tokens
 # x 0.01 = 32 s, a sync 2 s.

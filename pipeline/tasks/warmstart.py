@@ -3,7 +3,7 @@
 A random-init model never ends an answer with EOS nor writes the letters in order, so every GRPO group
 would score ~0 and carry no gradient. The warm start trains on `prompt + " " + answer + eos` (loss on the
 answer and EOS only: the prompt letters are random, predicting them would waste capacity) until the model
-has the reversal circuit, i.e. its greedy answer is mostly right. The multi-turn task (pipeline/embedded_calc.py)
+has the reversal circuit, i.e. its greedy answer is mostly right. The multi-turn task (pipeline/tasks/embedded_calc.py)
 trains on its whole demonstration, tool call, tool result and answer, with no loss on the tool's result.
 
 It does so with label smoothing 0.5, which is what leaves room for RL. Measured with the learnability check
@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from pipeline import embedded_calc
+from pipeline.tasks import embedded_calc
 
 # Measured on an idle 2-core box: 45 ms/step with 2 threads, 71 ms with 1 (500 steps: ~23 s). It runs before
 # the stream starts, so it may take both cores.

@@ -14,7 +14,7 @@ leading digits without the tool. Rows carry `agent_name: tool_agent`: the loop i
 
 The tokenizer is trained on whole demonstrations, so the call's fixed parts (`<tool_call>{"`, `calculator`, ...)
 become a handful of tokens; digits stay one token each (Qwen2's pre-tokenizer splits them), which keeps copying a
-token-by-token lookup. The warm start (pipeline/warmstart.py) trains on the demonstration with the tool's result
+token-by-token lookup. The warm start (pipeline/tasks/warmstart.py) trains on the demonstration with the tool's result
 masked out, as the RL loss masks it.
 
 Room for RL comes from label smoothing, as in the reversal task, but far less of it (conf/multi_turn.yaml: 0.05, not

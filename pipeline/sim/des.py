@@ -1,6 +1,6 @@
 """A discrete-event model of the fully-async loop, for the planner: milliseconds per run instead of seconds.
 
-It replays the pipeline's rules on pipeline.workload.Workload's timings, with no Ray and no sleeping: the gate's
+It replays the pipeline's rules on stages.sim.workload.Workload's timings, with no Ray and no sleeping: the gate's
 permits (the real StalenessBudget), an engine fleet of `slots` sequences fed while fewer than `in_engine` samples
 are in it (Ray Data's calls in flight), groups delivered when their n responses are done, the sink's oldest-first
 choice and its lag rule, one optimizer step per `required_samples` prompts, and a blocking weight sync every
@@ -15,8 +15,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipeline.staleness import StalenessBudget
-from pipeline.workload import Workload
+from stages.sim.workload import Workload
+from stages.staleness import StalenessBudget
 
 
 @dataclass

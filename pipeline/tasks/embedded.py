@@ -17,7 +17,7 @@ The pipeline must run end to end on a 2-core laptop with no network, so `model.p
 - Model: a random-init Qwen2 (an architecture both HF and vLLM serve), 2 layers, hidden 128, head_dim 32 (vLLM's
   CPU attention needs 32, 64, 80, ... 128), 0.47M parameters, float32 safetensors, untied embeddings.
 
-pipeline/warmstart.py then trains the format and the circuit, leaving the sampled reward low for RL to raise.
+pipeline/tasks/warmstart.py then trains the format and the circuit, leaving the sampled reward low for RL to raise.
 """
 
 from __future__ import annotations
@@ -167,8 +167,8 @@ def build_embedded(
     run_dir: Path, num_prompts: int, seed: int, num_val_prompts: int = 64, task: str = "reverse"
 ) -> EmbeddedTask:
     """Build tokenizer + model into run_dir/model, the prompts into run_dir/data/train.parquet and held-out ones
-    into run_dir/data/val.parquet. `task`: 'reverse' (this module) or 'calc' (pipeline/embedded_calc.py)."""
-    from pipeline import embedded_calc
+    into run_dir/data/val.parquet. `task`: 'reverse' (this module) or 'calc' (pipeline/tasks/embedded_calc.py)."""
+    from pipeline.tasks import embedded_calc
 
     if task not in ("reverse", "calc"):
         raise ValueError(f"data.embedded_task must be 'reverse' or 'calc', not {task!r}")

@@ -1,7 +1,7 @@
 """SimTrainer: the trainer backend of simulated runs (`trainer.backend: sim`).
 
 It answers the driver exactly as TorchTrainer does (train_step, the weight-sync calls) but spends the time that
-pipeline.workload.Workload gives instead of computing: per mini-batch and per response token for a step, per
+stages.sim.workload.Workload gives instead of computing: per mini-batch and per response token for a step, per
 sync for a weight push. There are no weights, so there is nothing to checkpoint.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pipeline.workload import Workload
+from stages.sim.workload import Workload
 
 
 class SimTrainer:

@@ -5,7 +5,7 @@ distribution, an engine of `sim.slots` sequences standing for `--sim-engine-gpus
 `sim.decode_s_per_token`, a trainer that spends `sim.train_s_per_token` on `--sim-trainer-gpus` GPUs, and the
 sync cost. Engines and trainer are assumed to scale linearly with GPUs (data parallel). Every candidate
 (split x staleness x partial rollout, with the config's batch sizes and trigger_parameter_sync_step) runs through
-pipeline/des.py; so does the colocated synchronous baseline on all GPUs (the same trainer, `--switch-s` between
+pipeline/sim/des.py; so does the colocated synchronous baseline on all GPUs (the same trainer, `--switch-s` between
 generating and training). The recommendation is the fastest candidate within `--max-staleness`.
 """
 
@@ -15,8 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from pipeline.config import RunConfig
-from pipeline.des import Setting, simulate
-from pipeline.staleness import StalenessBudget
+from pipeline.sim.des import Setting, simulate
+from stages.staleness import StalenessBudget
 
 STALENESS = (0.0, 0.25, 0.5, 1.0)
 WINDOWS = 8  # sync windows simulated per candidate; the first is start-up and left out

@@ -4,7 +4,7 @@ Input columns:  prompt_id, prompt_text, prompt_ids, ground_truth, data_source, a
                 admitted_time
 Output columns: the same as stages.generate.VLLMGenerate (the two are swapped in conf/ with `stages.generate`)
 
-The engine model is pipeline.workload.Workload: `slots` sequences at once, a prefill, then a fixed time per token.
+The engine model is stages.sim.workload.Workload: `slots` sequences at once, a prefill, then a fixed time per token.
 Everything a real engine does to the pipeline is here: it registers with the VersionClock, answers the weight
 syncs it relays, and at a sync behaves as `pause_mode` says. `wait`: requests in flight finish with the old
 weights, new ones queue. `abort`: every sequence stops where it is, keeps its tokens and resumes after the sync
@@ -23,10 +23,10 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from pipeline.workload import Workload
 from schemas import SAMPLE_SCHEMA, require_columns
 from schemas.sample import GATE_COLUMNS, GENERATE_COLUMNS, PROMPT_COLUMNS
 from stages.engine_busy import EngineBusy
+from stages.sim.workload import Workload
 
 _IN_COLUMNS = [c.name for c in PROMPT_COLUMNS + GATE_COLUMNS]
 _OUT_SCHEMA = pa.schema([SAMPLE_SCHEMA.field(c) for c in _IN_COLUMNS + [c.name for c in GENERATE_COLUMNS]])

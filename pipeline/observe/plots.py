@@ -1,4 +1,4 @@
-"""Draw pipeline.samples' tables into a matplotlib Axes the caller owns (so notebooks lay out their own figures).
+"""Draw the tables of pipeline.observe.samples into a matplotlib Axes the caller owns (notebooks lay out figures).
 
 Only Axes methods and matplotlib's default colour cycle ("C0".."C9") are used, so importing this module does not
 import matplotlib; the `notebook` extra installs it.

@@ -1,34 +1,29 @@
-"""Typed run configuration: dataclasses merged with omegaconf, so a typo is an error.
+"""The run configuration's typed schema: one dataclass per section, a docstring under each field, and every
+choice a `Literal`, so that omegaconf itself refuses a typo in a key or a value.
 
 Key names follow verl's fully_async_policy where verl has one (`async_training.*`, `actor.ppo_mini_batch_size`,
 `rollout.n`, `rollout.total_rollout_steps`, `data.max_response_length`), so a verl user's overrides work as they
-are; verl's long prefixes `actor_rollout_ref.actor.` and `actor_rollout_ref.rollout.` are accepted too.
+are. The trainer's objective settings are stages/trainer/settings.py's own dataclasses (one definition for the
+config and both trainer backends); the simulated workload is stages/sim/workload.py's.
 
 Stages are swapped declaratively: each entry of `stages` names a class with `_target_` and its constructor
-keywords beside it. The wiring (pipeline/run.py) unpacks this into plain constructor arguments; nothing below
+keywords beside it. The wiring (pipeline/stream.py) unpacks this into plain constructor arguments; nothing below
 pipeline/ sees the whole config.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import inspect
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
+from stages.sim.workload import Workload
+from stages.trainer.settings import CorrectionSettings, PolicySettings
 
-from pipeline.workload import Workload
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-DEFAULT_CONFIG = CONF_DIR / "default.yaml"
 MONITORS = ("mlflow", "jsonl", "null")
-BACKENDS = ("torch", "sim", "megatron")
-WEIGHT_SYNC_BACKENDS = ("gloo", "nccl", "ipc")
-VERL_PREFIXES = {"actor_rollout_ref.actor.": "actor.", "actor_rollout_ref.rollout.": "rollout."}
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key and the fix."""
 
 
 @dataclass
@@ -41,7 +36,7 @@ class AsyncTrainingConfig:
     """Mini-batches of `actor.ppo_mini_batch_size` prompts the trainer takes per step."""
     partial_rollout: bool = False
     """Interrupt in-flight generations at a sync and resume them with the new weights (needs staleness > 0)."""
-    partial_rollout_mode: str = "abort"
+    partial_rollout_mode: Literal["abort", "keep"] = "abort"
     """'abort': resubmit prompt + partial tokens (KV recomputed; verl, AReaL). 'keep': the engine keeps the requests
     and continues them with the new weights over the old KV cache (PipelineRL)."""
     use_rollout_log_probs: bool = True
@@ -58,24 +53,8 @@ class AsyncTrainingConfig:
 
 
 @dataclass
-class RolloutCorrectionConfig:
-    rollout_is: str | None = None
-    """Importance weights proximal / behaviour: 'token', 'sequence' or null (off)."""
-    rollout_is_threshold: float = 2.0
-    """Upper truncation of the importance weights (TIS)."""
-    rollout_rs: str | None = None
-    """Reject whole responses by their ratio: 'sequence' (product), 'geometric' (per-token mean) or null (off)."""
-    rollout_rs_threshold: float | None = None
-    """Upper bound of the accepted ratio (required with rollout_rs)."""
-    rollout_rs_threshold_lower: float | None = None
-    """Lower bound of the accepted ratio; null means 1 / rollout_rs_threshold."""
-    rollout_token_veto_threshold: float | None = None
-    """Reject a response when any token's ratio falls below this; null is off."""
-
-
-@dataclass
 class AlgorithmConfig:
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    rollout_correction: CorrectionSettings = field(default_factory=CorrectionSettings)
     """verl's `algorithm.rollout_correction.*`: off-policy correction between engine and trainer."""
 
 
@@ -90,25 +69,17 @@ class MegatronConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(PolicySettings):
+    """verl's `actor_rollout_ref.actor.*`: the objective's knobs (PolicySettings) plus the batch and parallelism."""
+
     ppo_mini_batch_size: int = 8
     """Prompts per mini-batch (each carries `rollout.n` trajectories)."""
-    lr: float = 5e-4
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    clip_ratio_low: float = 0.2
-    """PPO lower clip: ratio >= 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.28
-    """PPO upper clip: ratio <= 1 + clip_ratio_high."""
-    loss_agg_mode: str = "token-mean"
-    """'token-mean' (every token of the mini-batch weighs the same) or 'seq-mean-token-mean'."""
-    grad_clip: float = 1.0
-    """Max global grad norm."""
-    micro_batch_size: int = 32
-    """Trajectories per forward/backward pass (gradient accumulation; memory only)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallelism of trainer.backend=megatron (verl's `actor_rollout_ref.actor.megatron.*`)."""
+
+    def policy(self) -> PolicySettings:
+        """The part both trainer backends take."""
+        return PolicySettings(**{f.name: getattr(self, f.name) for f in fields(PolicySettings)})
 
 
 @dataclass
@@ -185,9 +156,9 @@ class DataConfig:
     """max_tokens per response."""
     num_embedded_prompts: int = 2000
     """Size of the generated embedded data set."""
-    embedded_task: str = "reverse"
+    embedded_task: Literal["reverse", "calc"] = "reverse"
     """Which embedded task: 'reverse' (letter lists) or 'calc' (multi-turn: multiplication through the calculator
-    tool, pipeline/embedded_calc.py)."""
+    tool, pipeline/tasks/embedded_calc.py)."""
     val_files: str = ""
     """Held-out prompts for validation (parquet or jsonl, flat or verl format), 'embedded' for the embedded
     task's held-out set, or empty for no validation."""
@@ -211,7 +182,7 @@ class ModelConfig:
 
 @dataclass
 class TrainerConfig:
-    backend: str = "torch"
+    backend: Literal["torch", "megatron", "sim"] = "torch"
     """Trainer backend: 'torch' (an HF model, AdamW), 'megatron' (megatron-core, tensor parallel; actor.megatron)
     or 'sim' (spends the time `sim` gives; for benchmarks)."""
     output_dir: str = "runs"
@@ -240,13 +211,13 @@ class TrainerConfig:
 
 @dataclass
 class WeightSyncConfig:
-    mode: str = "push"
+    mode: Literal["push", "pull"] = "push"
     """'push': the trainer pauses the engines and broadcasts (verl). 'pull': the trainer publishes each version to
     `store` and goes on; each engine loads the newest at its own safe point (pipeline/sync.py)."""
     store: str = ""
     """Pull mode's parameter store, a directory or fsspec URL every engine can read; empty: shared memory
     (/dev/shm) on this node."""
-    backend: str = "gloo"
+    backend: Literal["gloo", "nccl", "ipc"] = "gloo"
     """Push mode's transport: 'gloo' (CPU tensors; works everywhere), 'nccl' (trainer and engines on different
     GPUs) or 'ipc' (one GPU shared by trainer and engine: CUDA IPC handles). nccl and ipc need CUDA."""
 
@@ -295,63 +266,9 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
     sim: Workload = field(default_factory=Workload)
-    """The simulated workload of stages.sim_generate.SimGenerate and trainer.backend=sim (pipeline/workload.py)."""
+    """The simulated workload of stages.sim.generate.SimGenerate and trainer.backend=sim (stages/sim/workload.py)."""
     resume: bool = False
     """Continue the run named by trainer.run_name from its latest checkpoint."""
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the key and the fix."""
-
-
-def _translate_verl(override: str) -> str:
-    for long, short in VERL_PREFIXES.items():
-        if override.startswith(long):
-            return short + override[len(long) :]
-    return override
-
-
-def _nearest(key: str, node: DictConfig) -> str:
-    options = [k for k in node.keys() if isinstance(k, str)] if isinstance(node, DictConfig) else []
-    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
-    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
-
-
-def _explain(err: Exception, schema: DictConfig) -> ConfigError:
-    key = getattr(err, "full_key", None) or ""
-    parts = key.split(".") if key else []
-    node = schema
-    for part in parts[:-1]:
-        node = node.get(part) if isinstance(node, DictConfig) and part in node else None
-    hint = _nearest(parts[-1], node) if parts and isinstance(node, DictConfig) else ""
-    reason = getattr(err, "msg", str(err)).split("\n")[0]
-    reason = reason.split(". Did you mean")[0].split(" Did you mean")[0].rstrip(".")  # omegaconf's own guess: ours
-    return ConfigError(f"config key '{key}': {reason}.{hint}")
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Merge defaults <- YAML file <- `key=value` overrides into a validated RunConfig."""
-    schema = OmegaConf.structured(RunConfig)
-    layers = [schema]
-    cfg_path = Path(path) if path else DEFAULT_CONFIG
-    if not cfg_path.exists():
-        raise ConfigError(f"config file {cfg_path} does not exist. Pass a YAML file from {CONF_DIR}.")
-    layers.append(OmegaConf.load(cfg_path))
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. rollout.n=4).")
-    layers.append(OmegaConf.from_dotlist([_translate_verl(o) for o in overrides]))
-    try:
-        merged = OmegaConf.merge(*layers)
-        cfg: RunConfig = OmegaConf.to_object(merged)
-    except (ConfigKeyError, ValidationError) as err:
-        raise _explain(err, schema) from None
-    except ValueError as err:  # a dataclass's own range check (sim.*)
-        raise ConfigError(str(err)) from None
-    from pipeline.config_checks import validate  # it reads this module's names: imported once this one is
-
-    validate(cfg)
-    return cfg
 
 
 def monitor_names(value: Any) -> list[str]:
@@ -360,39 +277,3 @@ def monitor_names(value: Any) -> list[str]:
     if not names or any(n not in MONITORS for n in names):
         raise ConfigError(f"trainer.monitor {value!r}: expected one of {', '.join(MONITORS)} or a list of them")
     return names
-
-
-def import_target(target: str, key: str) -> type:
-    module_name, _, attr = target.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(f"{key}._target_ '{target}' cannot be imported ({err}).") from None
-
-
-def stage_kwargs(spec: dict[str, Any], key: str) -> tuple[str, dict[str, Any]]:
-    """Split a stage spec into its target and constructor keywords, checked against the signature.
-
-    The class itself is imported later, by the wiring (check_signature), so that loading a config imports no
-    stage code and `asyncrl --help` stays instant.
-    """
-    if not isinstance(spec, dict) or "_target_" not in spec:
-        raise ConfigError(f"{key} needs a '_target_' naming the stage class (e.g. stages.reward.Reward).")
-    kwargs = {k: v for k, v in spec.items() if k != "_target_"}
-    return spec["_target_"], kwargs
-
-
-def check_signature(cls: type, kwargs: dict[str, Any], key: str, provided: set[str] = frozenset()) -> None:
-    """Fail with the nearest valid name when a configured keyword is not a constructor parameter."""
-    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    for name in kwargs:
-        if name not in params:
-            close = difflib.get_close_matches(name, params, n=1, cutoff=0.5)
-            hint = f" Did you mean '{close[0]}'?" if close else f" It takes: {', '.join(params)}."
-            raise ConfigError(f"config key '{key}.{name}' is not a parameter of {cls.__name__}.{hint}")
-        if name in provided:
-            raise ConfigError(f"config key '{key}.{name}' is set by the wiring from the top-level config.")
-
-
-def to_yaml(cfg: RunConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -17,7 +17,7 @@ lists, spends about one token per character of English. Train and test questions
 
 Regenerate the committed files with:
 
-    python -m pipeline.gsm8k_synth --out data/gsm8k_synth --train 200 --test 50 --seed 0
+    python -m pipeline.tasks.gsm8k_synth --out data/gsm8k_synth --train 200 --test 50 --seed 0
 """
 
 from __future__ import annotations

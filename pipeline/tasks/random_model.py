@@ -1,6 +1,6 @@
 """Build a ~0.45B random-init Qwen2 and the embedded task's prompts for the GPU presets (conf/gpu/), offline.
 
-`python -m pipeline.random_model OUT_DIR` writes OUT_DIR/model (config.json, model.safetensors and the embedded
+`python -m pipeline.tasks.random_model OUT_DIR` writes OUT_DIR/model (config.json, model.safetensors and the embedded
 task's tokenizer) and OUT_DIR/data/{train,val}.parquet. The shape is Qwen2-like and sized for a GPU smoke run:
 24 layers, hidden 1280, 16 heads of 80 (vLLM's attention takes 80), 4 kv heads (so TP 1, 2 or 4 split whole query
 groups), SwiGLU 3840, qkv bias, untied embeddings over the task's ~300-token vocabulary: 0.45B parameters, float32.
@@ -27,7 +27,7 @@ def build(out_dir: Path, seed: int = 0, num_prompts: int = 20000, shape: dict | 
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from pipeline.embedded import EOS_ID, PAD_ID, build_tokenizer, make_rows, write_rows
+    from pipeline.tasks.embedded import EOS_ID, PAD_ID, build_tokenizer, make_rows, write_rows
 
     model_dir = Path(out_dir) / "model"
     model_dir.mkdir(parents=True, exist_ok=True)

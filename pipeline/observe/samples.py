@@ -3,7 +3,7 @@
 Reads `<run>/samples` (every generated response, schemas.SAMPLE_SCHEMA) and `<run>/consumed` (what the trainer
 trained on, at which version and step) with `pyarrow.dataset`, loading only the columns a table needs: a long
 run's token lists are most of its log. Works on a run that is still going, since both logs grow shard by shard.
-Nothing here writes. Plots of these tables are in pipeline.plots.
+Nothing here writes. Plots of these tables are in pipeline.observe.plots.
 """
 
 from __future__ import annotations

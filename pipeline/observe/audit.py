@@ -16,7 +16,7 @@ import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from pipeline.staleness import StalenessBudget
+from stages.staleness import StalenessBudget
 
 
 @dataclass

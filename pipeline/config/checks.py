@@ -1,17 +1,11 @@
-"""Cross-field checks of a RunConfig that the types alone cannot express; each failure is one ConfigError that
-names the key and the fix. `load_config` runs them after the merge."""
+"""Cross-field checks of a RunConfig: the rules that span fields or need a registry (agent loops, tools), which the
+types alone cannot express. Each failure is one ConfigError that names the key and the fix; `load_config` runs them
+after the merge."""
 
 from __future__ import annotations
 
-from pipeline.config import (
-    BACKENDS,
-    WEIGHT_SYNC_BACKENDS,
-    ConfigError,
-    MultiTurnConfig,
-    RunConfig,
-    monitor_names,
-    stage_kwargs,
-)
+from pipeline.config.schema import ConfigError, MultiTurnConfig, RunConfig, monitor_names
+from pipeline.config.targets import stage_kwargs
 
 
 def validate(cfg: RunConfig) -> None:
@@ -25,17 +19,11 @@ def validate(cfg: RunConfig) -> None:
         (cfg.rollout.n >= 1, "rollout.n must be >= 1"),
         (cfg.rollout.num_replicas >= 1, "rollout.num_replicas must be >= 1"),
         (
-            cfg.actor.loss_agg_mode in ("token-mean", "seq-mean-token-mean"),
-            "actor.loss_agg_mode must be 'token-mean' or 'seq-mean-token-mean'",
-        ),
-        (at.partial_rollout_mode in ("abort", "keep"), "async_training.partial_rollout_mode must be 'abort' or 'keep'"),
-        (
             cfg.trainer.save_freq == -1
             or (cfg.trainer.save_freq > 0 and cfg.trainer.save_freq % at.trigger_parameter_sync_step == 0),
             "trainer.save_freq must be -1 or a positive multiple of async_training.trigger_parameter_sync_step "
             "(a checkpoint is taken at a weight sync, so the engines can resume from exactly those weights)",
         ),
-        (cfg.trainer.backend in BACKENDS, f"trainer.backend must be one of {', '.join(BACKENDS)}"),
         (
             cfg.trainer.backend != "sim" or cfg.trainer.save_freq == -1,
             "trainer.backend=sim has no weights to checkpoint: set trainer.save_freq=-1",
@@ -46,18 +34,12 @@ def validate(cfg: RunConfig) -> None:
             "file, or 'embedded' with the embedded task",
         ),
         (cfg.rollout.val_kwargs.n >= 1, "rollout.val_kwargs.n must be >= 1"),
-        (cfg.data.embedded_task in ("reverse", "calc"), "data.embedded_task must be 'reverse' or 'calc'"),
         *_multi_turn_checks(cfg.rollout.multi_turn),
         *_agent_checks(cfg.rollout.agent.default_agent_loop),
-        (cfg.weight_sync.mode in ("push", "pull"), "weight_sync.mode must be 'push' or 'pull'"),
         (
             not at.use_trainer_do_validate or cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate",
             "async_training.use_trainer_do_validate runs a dedicated vLLM engine: it needs "
             "stages.generate._target_=stages.generate.VLLMGenerate",
-        ),
-        (
-            cfg.weight_sync.backend in WEIGHT_SYNC_BACKENDS,
-            f"weight_sync.backend must be one of {', '.join(WEIGHT_SYNC_BACKENDS)}",
         ),
         (not cfg.resume or bool(cfg.trainer.run_name), "resume=true needs trainer.run_name naming the run to continue"),
         (
@@ -99,15 +81,10 @@ def _agent_checks(name: str) -> list[tuple[bool, str]]:
 
 def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
     rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
-    active = any(x is not None for x in (rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold))
     recompute = cfg.async_training.compute_prox_log_prob or not cfg.async_training.use_rollout_log_probs
     return [
-        (rc.rollout_is in (None, "token", "sequence"), f"{key}.rollout_is must be 'token', 'sequence' or null"),
-        (rc.rollout_is_threshold > 0, f"{key}.rollout_is_threshold must be > 0"),
-        (rc.rollout_rs in (None, "sequence", "geometric"), f"{key}.rollout_rs must be 'sequence', 'geometric' or null"),
-        (rc.rollout_rs is None or rc.rollout_rs_threshold is not None, f"{key}.rollout_rs needs rollout_rs_threshold"),
         (
-            not active or recompute,
+            not rc.active or recompute,
             f"{key} compares trainer and engine logprobs: set async_training.compute_prox_log_prob=true",
         ),
     ]
@@ -115,8 +92,6 @@ def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
 
 def _megatron_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
     mg, key = cfg.actor.megatron, "actor.megatron"
-    rc = cfg.algorithm.rollout_correction
-    corrected = any(x is not None for x in (rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold))
     return [
         (mg.tensor_model_parallel_size >= 1, f"{key}.tensor_model_parallel_size must be >= 1"),
         (
@@ -126,7 +101,7 @@ def _megatron_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
         ),
         (mg.export_bucket_mb >= 1, f"{key}.export_bucket_mb must be >= 1"),
         (
-            cfg.trainer.backend != "megatron" or not corrected,
+            cfg.trainer.backend != "megatron" or not cfg.algorithm.rollout_correction.active,
             "algorithm.rollout_correction is not supported by trainer.backend=megatron: use trainer.backend=torch",
         ),
     ]

@@ -1,4 +1,4 @@
-"""The simulated workload behind `stages.sim_generate.SimGenerate` and `trainer.backend: sim`, and its closed forms.
+"""The simulated workload behind `stages.sim.generate.SimGenerate` and `trainer.backend: sim`, and its closed forms.
 
 A simulated engine spends wall time instead of compute; everything around it (gate, versions, partial rollout,
 sink, audit) is the real pipeline. Times are in simulated seconds; `time_scale` turns them into wall seconds so

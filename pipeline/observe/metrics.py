@@ -1,0 +1,60 @@
+"""Per-step metrics of a trained batch: rewards, lengths, lags, the gate's counters and verl's fully_async/* counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class FullyAsyncCounters:
+    """verl's fully_async/* metrics: stale counts over the whole run, partial-rollout counts per sync window."""
+
+    def __init__(self) -> None:
+        self.stale_samples = 0  # prompts (groups) with at least one stale trajectory, cumulative
+        self.stale_trajectories = 0
+        self.new_window()
+
+    def new_window(self) -> None:
+        """Called at each sync: verl reports partial counts between two syncs."""
+        self.window_trajectories = 0
+        self.partial = 0
+        self.max_span = 0
+
+    def update(self, table, version: int) -> dict[str, float]:
+        lags = version - np.asarray(table["param_version"].to_pylist())
+        spans = np.asarray(table["param_version_end"].to_pylist()) - np.asarray(table["param_version"].to_pylist())
+        stale_prompts = {pid for pid, lag in zip(table["prompt_id"].to_pylist(), lags, strict=True) if lag > 0}
+        self.stale_samples += len(stale_prompts)
+        self.stale_trajectories += int((lags > 0).sum())
+        self.window_trajectories += len(spans)
+        self.partial += int((spans > 0).sum())
+        self.max_span = max(self.max_span, int(spans.max(initial=0)))
+        return {
+            "fully_async/count/stale_samples_processed": float(self.stale_samples),
+            "fully_async/count/stale_trajectory_processed": float(self.stale_trajectories),
+            "fully_async/partial/total_partial_num": float(self.partial),
+            "fully_async/partial/partial_ratio": self.partial / max(self.window_trajectories, 1),
+            "fully_async/partial/max_partial_span": float(self.max_span),
+        }
+
+
+def step_metrics(batch, version: int, clock_stats: dict[str, Any], train_s: float) -> dict[str, float]:
+    table = batch.table
+    lags = version - np.asarray(table["param_version"].to_pylist())
+    lengths = np.asarray(table["num_tokens"].to_pylist())
+    return {
+        "reward/mean": float(np.mean(table["reward"].to_pylist())),
+        "reward/error_ratio": float(np.mean([e is not None for e in table["reward_error"].to_pylist()])),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(np.mean([r == "length" for r in table["finish_reason"].to_pylist()])),
+        "staleness/max_lag": float(lags.max()),
+        "staleness/mean_lag": float(lags.mean()),
+        "trainer/wait_s": batch.wait_s,
+        "trainer/idle_ratio": batch.wait_s / max(batch.wait_s + train_s, 1e-9),
+        "trainer/version": float(version),
+        "gate/admitted_total": float(clock_stats["admitted_total"]),
+        "gate/outstanding": float(clock_stats["outstanding"]),
+        "gate/blocked_s": float(clock_stats["gate_blocked_s"]),
+    }
