@@ -6,6 +6,7 @@ from schemas.sample import (
     COLUMN_DOCS,
     CONSUMED_SCHEMA,
     END_OF_STREAM,
+    REQUIRED_COLUMNS,
     SAMPLE_SCHEMA,
     MissingColumnsError,
     require_columns,
@@ -17,6 +18,7 @@ __all__ = [
     "CONSUMED_SCHEMA",
     "END_OF_STREAM",
     "SAMPLE_SCHEMA",
+    "REQUIRED_COLUMNS",
     "MissingColumnsError",
     "require_columns",
 ]

@@ -4,9 +4,9 @@ A row is one trajectory (one of the `rollout.n` responses to a prompt). The rows
 (same `prompt_id`) always travel in the same block.
 
 Invariants:
-- `response_ids`, `response_logprobs`, `token_param_version` and `response_mask` have the same length,
-  `num_tokens`. Tokens an agent loop appended (tool results) have mask 0, logprob 0.0 and the weight version
-  current when they were appended (never older than the token before them).
+- `response_ids`, `response_logprobs`, `token_param_version`, `response_mask`, `token_advantages` and (when
+  present) `ref_logprobs` have the same length, `num_tokens`. Tokens an agent loop appended (tool results) have
+  mask 0, logprob 0.0 and the weight version current when they were appended (never older than the token before).
 - `param_version` is the oldest entry of `token_param_version` (the weights that started the response);
   `param_version_end` the newest. They differ only for partial rollouts.
 - A sample's lag is `consumed_version - param_version`; the run's config bounds it (stages.staleness).
@@ -92,12 +92,30 @@ GENERATE_COLUMNS = (
     ),
 )
 
+# Added by RefLogprob, when a reference policy is configured (a KL loss or a KL penalty in the reward); null
+# otherwise. Optional: the stages that take "every column" do not require it.
+REFERENCE_COLUMNS = (
+    _col("ref_logprobs", pa.list_(pa.float32()), "logprob of each response token under the frozen initial policy"),
+)
+
 # Added by Reward and Advantage.
 REWARD_COLUMNS = (
-    _col("reward", pa.float32(), "verifier score in [0, 1]; 0 when the verifier failed"),
+    _col("reward", pa.float32(), "verifier score; 0 when the verifier failed"),
     _col("reward_error", pa.string(), "why the verifier failed on this sample, null when it succeeded"),
+    _col(
+        "reward_extra_info",
+        pa.string(),
+        "a reward function's extra keys when it returned a dict (JSON object text), null otherwise",
+    ),
 )
-ADVANTAGE_COLUMNS = (_col("advantage", pa.float32(), "group-normalised reward (GRPO), one value per trajectory"),)
+ADVANTAGE_COLUMNS = (
+    _col("advantage", pa.float32(), "the trajectory's advantage (its first trained token's for per-token estimators)"),
+    _col(
+        "token_advantages",
+        pa.list_(pa.float32()),
+        "advantage of each response token (length of response_ids; 0 where response_mask is 0); what the trainer uses",
+    ),
+)
 
 # Added by the training sink when it consumes a sample.
 TRAIN_COLUMNS = (
@@ -106,8 +124,11 @@ TRAIN_COLUMNS = (
     _col("consumed_time", pa.float64(), "when the trainer consumed the sample (s since epoch)"),
 )
 
-ALL_COLUMNS = PROMPT_COLUMNS + GATE_COLUMNS + GENERATE_COLUMNS + REWARD_COLUMNS + ADVANTAGE_COLUMNS
+ALL_COLUMNS = PROMPT_COLUMNS + GATE_COLUMNS + GENERATE_COLUMNS + REFERENCE_COLUMNS + REWARD_COLUMNS + ADVANTAGE_COLUMNS
 SAMPLE_SCHEMA = pa.schema([pa.field(c.name, c.type) for c in ALL_COLUMNS])
+OPTIONAL_COLUMNS = tuple(c.name for c in REFERENCE_COLUMNS)
+# What a stage that takes "every column" requires: all but the optional ones.
+REQUIRED_COLUMNS = tuple(n for n in SAMPLE_SCHEMA.names if n not in OPTIONAL_COLUMNS)
 # The sink's consumption log: one row per trained trajectory, joined to the sample log by sample_id.
 CONSUMED_SCHEMA = pa.schema(
     [pa.field("sample_id", pa.string()), pa.field("prompt_id", pa.string())]

@@ -1,7 +1,8 @@
 """Reward: score each response with the verifier of its data source.
 
 Input columns:  sample_id, response_text, ground_truth, data_source
-Output columns: input columns + reward (float32), reward_error (string, null when the verifier succeeded)
+Output columns: input columns + reward (float32), reward_error (string, null when the verifier succeeded),
+                reward_extra_info (string, null)
 
 A verifier that raises, returns something outside [0, 1] or runs past `timeout_s` marks that sample (reward 0 and
 the reason in reward_error); it never fails the run. Runs as a Ray Data task stage: it holds no state worth an
@@ -39,7 +40,8 @@ class Reward:
             errors.append(error)
         pool.shutdown(wait=False, cancel_futures=True)
         batch = batch.append_column(SAMPLE_SCHEMA.field("reward"), pa.array(rewards, pa.float32()))
-        return batch.append_column(SAMPLE_SCHEMA.field("reward_error"), pa.array(errors, pa.string()))
+        batch = batch.append_column(SAMPLE_SCHEMA.field("reward_error"), pa.array(errors, pa.string()))
+        return batch.append_column(SAMPLE_SCHEMA.field("reward_extra_info"), pa.nulls(batch.num_rows, pa.string()))
 
     def _score(self, pool: cf.ThreadPoolExecutor, row: dict) -> tuple[float, str | None]:
         verifier = VERIFIERS.get(row["data_source"])

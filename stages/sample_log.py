@@ -1,6 +1,6 @@
 """SampleLog: tee every sample, every column, into Parquet shards (any fsspec URL).
 
-Input columns:  all of schemas.SAMPLE_SCHEMA
+Input columns:  all of schemas.SAMPLE_SCHEMA (the optional ones are written as nulls when absent)
 Output columns: the input, unchanged
 
 The log is the run's ground truth: the audit proves the staleness bound and exactly-once consumption from it,
@@ -16,7 +16,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas import SAMPLE_SCHEMA, require_columns
+from schemas import REQUIRED_COLUMNS, SAMPLE_SCHEMA, require_columns
 
 
 class SampleLog:
@@ -24,8 +24,14 @@ class SampleLog:
         self.path = path.rstrip("/")
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        require_columns(batch, SAMPLE_SCHEMA.names, "SampleLog")
-        table = batch.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
+        require_columns(batch, REQUIRED_COLUMNS, "SampleLog")
+        table = batch
+        for name in SAMPLE_SCHEMA.names:
+            if name not in table.column_names:  # an optional column no stage of this run adds
+                table = table.append_column(
+                    SAMPLE_SCHEMA.field(name), pa.nulls(table.num_rows, SAMPLE_SCHEMA.field(name).type)
+                )
+        table = table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
         fs, root = fsspec.core.url_to_fs(self.path)
         fs.makedirs(root, exist_ok=True)
         with fs.open(f"{root}/part-{uuid.uuid4().hex}.parquet", "wb") as f:

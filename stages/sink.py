@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import CONSUMED_SCHEMA, SAMPLE_SCHEMA, require_columns
+from schemas import CONSUMED_SCHEMA, REQUIRED_COLUMNS, require_columns
 from stages.staleness import StalenessBudget
 
 
@@ -86,7 +86,7 @@ class TrainingSink:
         return t["admitted_version"][0].as_py(), t["admitted_time"][0].as_py(), prompt_id
 
     def _add(self, block: pa.Table) -> None:
-        require_columns(block, SAMPLE_SCHEMA.names, "TrainingSink")
+        require_columns(block, REQUIRED_COLUMNS, "TrainingSink")
         ids = block.column("prompt_id").to_pylist()
         for pid in dict.fromkeys(ids):
             group = block.filter(pc.equal(block["prompt_id"], pid))

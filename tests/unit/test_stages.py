@@ -68,18 +68,23 @@ def test_missing_column_is_named():
 
 
 def test_grpo_advantage_by_hand():
-    batch = pa.table(
-        {"prompt_id": ["a", "a", "a", "b", "b", "b"], "reward": pa.array([1.0, 0.0, 0.5, 1.0, 1.0, 1.0], pa.float32())}
-    )
-    adv = GRPOAdvantage(group_size=3)(batch)["advantage"].to_numpy()
+    rewards = pa.array([1.0, 0.0, 0.5, 1.0, 1.0, 1.0], pa.float32())
+    masks = [[1, 1], [1, 0], [1], [1], [1], [0, 1]]
+    batch = pa.table({"prompt_id": ["a", "a", "a", "b", "b", "b"], "reward": rewards, "response_mask": masks})
+    out = GRPOAdvantage(group_size=3)(batch)
+    adv = out["advantage"].to_numpy()
     r = np.array([1.0, 0.0, 0.5])
     expected = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
     assert np.allclose(adv[:3], expected, atol=1e-6)
     assert np.allclose(adv[3:], 0.0)  # all equal: no signal, no NaN
+    per_token = out["token_advantages"].to_pylist()
+    assert np.allclose(per_token[1], [adv[1], 0.0]) and np.allclose(per_token[0], [adv[0]] * 2)
 
 
 def test_grpo_advantage_refuses_a_split_group():
-    batch = pa.table({"prompt_id": ["a", "a"], "reward": pa.array([1.0, 0.0], pa.float32())})
+    batch = pa.table(
+        {"prompt_id": ["a", "a"], "reward": pa.array([1.0, 0.0], pa.float32()), "response_mask": [[1], [1]]}
+    )
     with pytest.raises(ValueError, match="group a has 2 of its 3 responses"):
         GRPOAdvantage(group_size=3)(batch)
 
