@@ -6,8 +6,10 @@ from earlier versions that the trainer has not consumed yet, and pauses generati
     max_required_samples = required_samples * (1 + staleness_threshold) * trigger_parameter_sync_step
     required_samples     = ppo_mini_batch_size * require_batches
 
-At a sync the count restarts at the number of prompts admitted but not yet consumed. We keep exactly that rule.
-A fractional threshold gives a fractional product: like verl we take the floor (never admit more than allowed).
+At a sync the count restarts at the number of prompts admitted but not yet consumed. We keep exactly that rule, and
+verl's exact arithmetic: `int(required_samples * (staleness_threshold + 1) * trigger_parameter_sync_step)`, evaluated
+left to right in floats and truncated, so a verl config gets the same budget to the prompt even where float rounding
+lands below an integer (mini-batch 100, s = 0.15, k = 1: 100 * 1.15 = 114.99999999999999, so 114, not 115).
 
 verl does not bound the lag of a sample; we do, and the audit proves it from the logs. The trainer consumes
 C = trigger_parameter_sync_step * required_samples prompts per version, and at most B = floor((1+s) C) are
@@ -23,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-_EPS = 1e-9  # (1 + 0.1) * 30 is 33.000000000000004 in floats; floor must still give 33
+_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class StalenessBudget:
     @property
     def max_required_samples(self) -> int:
         """Most prompts admitted per version, carried-over ones included (B, verl's name)."""
-        return math.floor((1 + self.staleness_threshold) * self.consumed_per_version + _EPS)
+        # verl's expression, in verl's order: the float product's truncation differs from the exact floor at times.
+        return int(self.required_samples * (self.staleness_threshold + 1) * self.trigger_parameter_sync_step)
 
     @property
     def lag_bound(self) -> int:

@@ -32,9 +32,12 @@ def test_stream_off_policy_admits_k_steps_per_version():
         (0.5, 1, 1, 8, 12),
         (0.5, 4, 4, 32, 768),  # verl's published 7B setting: 1.5 * 4 * 4 * 32
         (1.0, 2, 1, 8, 32),
-        (0.1, 1, 1, 30, 33),  # (1 + 0.1) * 30 is 33.000000000000004 in floats
+        (0.1, 1, 1, 30, 33),  # 30 * 1.1 = 33.0 in verl's order (1.1 * 30 would be 33.000000000000004)
         (0.3, 1, 1, 10, 13),
-        (0.25, 1, 1, 10, 12),  # 12.5 -> floor: never admit more than allowed
+        (0.25, 1, 1, 10, 12),  # 12.5 -> int() truncates: never admit more than allowed
+        (0.15, 1, 1, 100, 114),  # verl: int(100 * 1.15) = int(114.99999999999999) = 114, not the exact 115
+        (0.4, 5, 1, 3, 20),  # int(3 * 1.4 * 5) = int(20.999999999999996) = 20; 3 * 5 * 1.4 would give 21
+        (0.1, 4, 1, 32, 140),  # verl's defaults s = 0.1, k = 4: int(140.8)
         (3.0, 2, 4, 256, 8192),  # the worked example of verl's design notes: 1024 * 4 * 2
     ],
 )
