@@ -1,7 +1,8 @@
 """Loading a run configuration: defaults <- YAML file <- `key=value` overrides, merged by omegaconf into the typed
 schema (pipeline/config/schema.py), then the cross-field checks (pipeline/config/checks.py).
 
-verl's long prefixes `actor_rollout_ref.actor.` and `actor_rollout_ref.rollout.` are accepted and translated.
+verl's spellings are accepted and translated (VERL_ALIASES: the `actor_rollout_ref.` prefixes, `actor.optim.lr`,
+`actor.ppo_micro_batch_size_per_gpu`, ...), in the YAML file and on the command line alike.
 Every failure is one ConfigError that names the key and its nearest valid spelling (or value).
 """
 
@@ -18,14 +19,33 @@ from pipeline.config.schema import ConfigError, RunConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 DEFAULT_CONFIG = CONF_DIR / "default.yaml"
-VERL_PREFIXES = {"actor_rollout_ref.actor.": "actor.", "actor_rollout_ref.rollout.": "rollout."}
+# verl's spellings of our keys, so a verl command line or YAML carries over: whole sections first, then single keys.
+VERL_ALIASES = {
+    "actor_rollout_ref.actor": "actor",
+    "actor_rollout_ref.rollout": "rollout",
+    "actor_rollout_ref.model.path": "model.path",
+    "actor.optim.lr": "actor.lr",
+    "actor.optim.weight_decay": "actor.weight_decay",
+    "actor.optim.clip_grad": "actor.grad_clip",
+    "actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
+}
 
 
-def _translate_verl(override: str) -> str:
-    for long, short in VERL_PREFIXES.items():
-        if override.startswith(long):
-            return short + override[len(long) :]
-    return override
+def _translate_verl(layer: DictConfig) -> DictConfig:
+    """Move every verl-spelt key of a YAML or override layer to ours; our own spelling wins over an alias."""
+    for verl_key, ours in VERL_ALIASES.items():
+        value = OmegaConf.select(layer, verl_key, default=None)
+        if value is None:
+            continue
+        if OmegaConf.select(layer, ours, default=None) is None:
+            OmegaConf.update(layer, ours, value, merge=True, force_add=True)
+        parent_key, _, leaf = verl_key.rpartition(".")
+        parent = OmegaConf.select(layer, parent_key) if parent_key else layer
+        parent.pop(leaf)
+        while parent_key and not OmegaConf.select(layer, parent_key):  # drop the emptied verl sections
+            parent_key, _, leaf = parent_key.rpartition(".")
+            (OmegaConf.select(layer, parent_key) if parent_key else layer).pop(leaf)
+    return layer
 
 
 def _nearest(key: str, node: DictConfig) -> str:
@@ -57,11 +77,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg_path = Path(path) if path else DEFAULT_CONFIG
     if not cfg_path.exists():
         raise ConfigError(f"config file {cfg_path} does not exist. Pass a YAML file from {CONF_DIR}.")
-    layers.append(OmegaConf.load(cfg_path))
+    layers.append(_translate_verl(OmegaConf.load(cfg_path)))
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. rollout.n=4).")
-    layers.append(OmegaConf.from_dotlist([_translate_verl(o) for o in overrides]))
+    layers.append(_translate_verl(OmegaConf.from_dotlist(list(overrides))))
     try:
         merged = OmegaConf.merge(*layers)
         cfg: RunConfig = OmegaConf.to_object(merged)
