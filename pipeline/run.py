@@ -17,7 +17,7 @@ from pipeline.config import RunConfig
 from pipeline.finish import finish_run
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import RunContext, prepare
-from pipeline.stream import build_stream, configure_data_context
+from pipeline.stream import build_stream, configure_data_context, step_transform
 from pipeline.validate import make_validator
 from stages.sink import TrainingSink
 from stages.staleness import StalenessBudget, mode_name
@@ -44,6 +44,7 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         cfg.rollout.n,
         str(ctx.run_dir / "consumed"),
         lambda v: ray.get(clock.outstanding_at_or_before.remote(v)),
+        step_transform(cfg),  # reinforce_plus_plus*: whitened over the step, as verl does over its batch
     )
     monitor = ctx.monitor
     total_steps, k = cfg.rollout.total_rollout_steps // budget.required_samples, at.trigger_parameter_sync_step
@@ -67,7 +68,15 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
             metrics = ray.get(trainer.train_step.remote(batch.minibatches(cfg.actor.ppo_mini_batch_size)))
             sink.record(batch, version, step)
             ray.get(clock.consumed.remote([g["prompt_id"][0].as_py() for g in batch.groups]))
-            metrics.update(step_metrics(batch, version, ray.get(clock.stats.remote()), metrics["timing/train_s"]))
+            metrics.update(
+                step_metrics(
+                    batch,
+                    version,
+                    ray.get(clock.stats.remote()),
+                    metrics["timing/train_s"],
+                    kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
+                )
+            )
             metrics.update(counters.update(batch.table, version))
             if step % k == 0:
                 version += 1

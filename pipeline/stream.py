@@ -1,4 +1,5 @@
-"""Wire the Ray Data stream from the config: source -> gate -> generate -> reward -> advantage -> sample log.
+"""Wire the Ray Data stream from the config: source -> gate -> generate -> [reference logprobs] -> reward ->
+advantage -> sample log; and the step-level operation the training sink applies (advantage whitening).
 
 Resources are set here, never inside a stage. Only this module reads stage specs from the config; the stages get
 plain constructor arguments.
@@ -8,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
 
-from pipeline.config import RunConfig, check_signature, import_target, stage_kwargs
+from pipeline.config import ConfigError, RunConfig, check_signature, import_target, stage_kwargs
+from stages.advantage import ESTIMATORS, whiten_step
 from stages.gate import StalenessGate
 from stages.sample_log import SampleLog
 
@@ -69,6 +73,49 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
     )
 
 
+def advantage_stage(cfg: RunConfig) -> tuple[type, dict]:
+    """The advantage stage's class and keywords: algorithm.adv_estimator's class, unless `stages.advantage._target_`
+    names one (a user's own estimator wins)."""
+    alg = cfg.algorithm
+    spec = {"_target_": ESTIMATORS[alg.adv_estimator], **cfg.stages.advantage}
+    provided = {
+        "group_size": cfg.rollout.n,
+        "norm_by_std": alg.norm_adv_by_std_in_grpo,
+        "gamma": alg.gamma,
+        "kl_in_reward": alg.use_kl_in_reward,
+        "kl_coef": alg.kl_ctrl.kl_coef,
+        "kl_penalty": alg.kl_penalty,
+    }
+    cls, kwargs = _construct(spec, "stages.advantage", provided)
+    if alg.use_kl_in_reward and "kl_in_reward" not in kwargs:
+        raise ConfigError(
+            f"algorithm.use_kl_in_reward needs an advantage stage that takes `kl_in_reward`; {spec['_target_']} "
+            "does not: subclass stages.advantage.AdvantageStage, or set algorithm.use_kl_in_reward=false"
+        )
+    return cls, kwargs
+
+
+def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
+    """What the training sink applies to a whole step's table before it splits it: verl's batch-wide whitening for
+    the estimators that ask for it (`whiten_over_step`), else nothing."""
+    cls, _ = advantage_stage(cfg)
+    return whiten_step if getattr(cls, "whiten_over_step", False) else None
+
+
+def uses_reference(cfg: RunConfig) -> bool:
+    """Whether the stream computes reference logprobs: for the KL loss or the KL in the reward."""
+    # actor.use_kl_loss belongs to the trainer's settings; read defensively so the stream does not depend on it.
+    return bool(getattr(cfg.actor, "use_kl_loss", False)) or cfg.algorithm.use_kl_in_reward
+
+
+def reference_model_dir(cfg: RunConfig, model_dir: str, run_dir: str) -> str:
+    """The weights the run started from: model_dir, except on resume, where model_dir holds the checkpoint's and
+    the start is model.path (or the embedded model prepare_model built into the run directory)."""
+    if not cfg.resume:
+        return model_dir
+    return cfg.model.path if cfg.model.path != "embedded" else str(Path(run_dir) / "model")
+
+
 def engine_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
     """GPUs a Generate replica asks for: `ray.gpus_per_engine` for a vLLM engine on a cluster with GPUs, else none."""
     vllm = cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate"
@@ -91,7 +138,7 @@ def build_stream(
     ro = cfg.rollout
     gen_cls, gen_kwargs = generate_stage(cfg, model_dir, clock, version)
     reward_cls, reward_kwargs = _construct(cfg.stages.reward, "stages.reward", {})
-    adv_cls, adv_kwargs = _construct(cfg.stages.advantage, "stages.advantage", {"group_size": ro.n})
+    adv_cls, adv_kwargs = advantage_stage(cfg)
 
     ds = ray.data.from_arrow(blocks)
     ds = ds.map_batches(
@@ -119,6 +166,18 @@ def build_stream(
             max_concurrent_calls_per_actor=ro.calls_in_flight,
         ),
     )
+    if uses_reference(cfg):  # the frozen model is loaded only when a KL needs it
+        ref_cls, ref_kwargs = _construct(
+            cfg.stages.ref_logprob, "stages.ref_logprob", {"model_dir": reference_model_dir(cfg, model_dir, run_dir)}
+        )
+        ds = ds.map_batches(
+            ref_cls,
+            fn_constructor_kwargs=ref_kwargs,
+            batch_size=None,
+            batch_format="pyarrow",
+            num_cpus=0.5,  # a fraction: a stage actor holding a whole CPU can deadlock a 2-core box
+            compute=ActorPoolStrategy(size=1),
+        )
     # Task stages: Ray Data fuses these three into one task per block.
     ds = ds.map_batches(reward_cls(**reward_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
     ds = ds.map_batches(adv_cls(**adv_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)

@@ -113,7 +113,17 @@ ADVANTAGE_COLUMNS = (
     _col(
         "token_advantages",
         pa.list_(pa.float32()),
-        "advantage of each response token (length of response_ids; 0 where response_mask is 0); what the trainer uses",
+        "advantage of each response token (length of response_ids; 0 where response_mask is 0); what the trainer "
+        "uses. Estimators that whiten over the training step (reinforce_plus_plus*) log it before the whitening",
+    ),
+)
+
+# Added by the advantage stage when the KL is in the reward (algorithm.use_kl_in_reward); null otherwise. Optional.
+REWARD_KL_COLUMNS = (
+    _col(
+        "reward_kl",
+        pa.float32(),
+        "masked mean over the response of kl(behaviour, reference) per token: the KL the reward paid for, per token",
     ),
 )
 
@@ -124,9 +134,17 @@ TRAIN_COLUMNS = (
     _col("consumed_time", pa.float64(), "when the trainer consumed the sample (s since epoch)"),
 )
 
-ALL_COLUMNS = PROMPT_COLUMNS + GATE_COLUMNS + GENERATE_COLUMNS + REFERENCE_COLUMNS + REWARD_COLUMNS + ADVANTAGE_COLUMNS
+ALL_COLUMNS = (
+    PROMPT_COLUMNS
+    + GATE_COLUMNS
+    + GENERATE_COLUMNS
+    + REFERENCE_COLUMNS
+    + REWARD_COLUMNS
+    + ADVANTAGE_COLUMNS
+    + REWARD_KL_COLUMNS
+)
 SAMPLE_SCHEMA = pa.schema([pa.field(c.name, c.type) for c in ALL_COLUMNS])
-OPTIONAL_COLUMNS = tuple(c.name for c in REFERENCE_COLUMNS)
+OPTIONAL_COLUMNS = tuple(c.name for c in REFERENCE_COLUMNS + REWARD_KL_COLUMNS)
 # What a stage that takes "every column" requires: all but the optional ones.
 REQUIRED_COLUMNS = tuple(n for n in SAMPLE_SCHEMA.names if n not in OPTIONAL_COLUMNS)
 # The sink's consumption log: one row per trained trajectory, joined to the sample log by sample_id.

@@ -9,6 +9,10 @@ ones admitted later. The sink keeps a small buffer of complete groups, trains on
 and before the last steps of a version it waits for the outstanding prompts that would otherwise exceed the lag
 bound (see stages.staleness). That makes `lag <= ceil(staleness_threshold)` true by construction, and the
 audit checks it from the logs. Data never waits in the sink longer than the bound requires.
+
+`step_transform`, when given, is applied to the step's whole table before it is split into mini-batches: the
+operations verl runs over a training batch, such as the whitening of reinforce_plus_plus's advantages
+(stages.advantage.whiten_step), since a block of the stream holds only some of a step's groups.
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ class TrainingSink:
         group_size: int,
         consumed_path: str,
         outstanding_at_or_before: Callable[[int], int],
+        step_transform: Callable[[pa.Table], pa.Table] | None = None,
     ) -> None:
         self.blocks = blocks
+        self.step_transform = step_transform
         self.budget = budget
         self.group_size = group_size
         self.consumed_path = consumed_path.rstrip("/")
@@ -79,7 +85,17 @@ class TrainingSink:
                 continue
             self._add(block)
         chosen = sorted(self.buffer, key=self._age)[:need]
-        return Step([self.buffer.pop(pid) for pid in chosen], waited)
+        groups = [self.buffer.pop(pid) for pid in chosen]
+        if self.step_transform is not None:
+            groups = self._transform(groups)
+        return Step(groups, waited)
+
+    def _transform(self, groups: list[pa.Table]) -> list[pa.Table]:
+        """The step's groups after `step_transform` ran over all of them at once, in the same order."""
+        table = self.step_transform(pa.concat_tables(groups))
+        if table.num_rows != len(groups) * self.group_size:
+            raise ValueError(f"step_transform returned {table.num_rows} rows for {len(groups)} groups")
+        return [table.slice(i * self.group_size, self.group_size) for i in range(len(groups))]
 
     def _age(self, prompt_id: str) -> tuple[int, float, str]:
         t = self.buffer[prompt_id]

@@ -51,8 +51,10 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
     monitor_names(cfg.trainer.monitor)
-    for name in ("generate", "reward", "advantage"):
+    for name in ("generate", "reward", "ref_logprob"):
         stage_kwargs(getattr(cfg.stages, name), f"stages.{name}")
+    if "_target_" in cfg.stages.advantage:  # else algorithm.adv_estimator names the class
+        stage_kwargs(cfg.stages.advantage, "stages.advantage")
 
 
 def _multi_turn_checks(mt: MultiTurnConfig) -> list[tuple[bool, str]]:

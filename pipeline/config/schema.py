@@ -52,8 +52,53 @@ class AsyncTrainingConfig:
     least); false holds a replica's new training requests until its share of the pass is done (verl's default)."""
 
 
+AdvEstimator = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+# verl's KL estimators (stages/trainer/kl.py's KL_TYPES_ALL; written out so that loading a config imports no torch).
+KLType = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"
+]
+
+
+@dataclass
+class KLControlConfig:
+    """verl's `algorithm.kl_ctrl.*`: the coefficient of the KL in the reward."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """'fixed' only: the adaptive controller is not supported."""
+    kl_coef: float = 0.001
+    """beta: every response token's reward pays beta * kl(behaviour, reference)."""
+    horizon: int = 10000
+    """Accepted for verl configs; used only by the adaptive controller."""
+    target_kl: float = 0.1
+    """Accepted for verl configs; used only by the adaptive controller."""
+
+    def __post_init__(self) -> None:
+        if self.type != "fixed":
+            raise ValueError(
+                f"algorithm.kl_ctrl.type={self.type}: only a fixed KL coefficient is supported; "
+                "set algorithm.kl_ctrl.type=fixed and choose algorithm.kl_ctrl.kl_coef"
+            )
+
+
 @dataclass
 class AlgorithmConfig:
+    """verl's `algorithm.*`: the advantage estimator, the KL in the reward, rollout correction."""
+
+    adv_estimator: AdvEstimator = "grpo"
+    """Advantage estimator (stages/advantage): 'grpo', 'rloo', 'reinforce_plus_plus' or
+    'reinforce_plus_plus_baseline'. An explicit `stages.advantage._target_` wins over it."""
+    norm_adv_by_std_in_grpo: bool = True
+    """grpo: divide by the group's std (false: Dr.GRPO, s - mean only)."""
+    gamma: float = 1.0
+    """Discount of reinforce_plus_plus's token returns."""
+    lam: float = 1.0
+    """GAE's lambda; accepted for verl configs, unused by these estimators."""
+    use_kl_in_reward: bool = False
+    """Every response token's reward pays kl_ctrl.kl_coef * kl(behaviour, reference); starts the RefLogprob stage."""
+    kl_penalty: KLType = "kl"
+    """KL estimator of the KL in the reward (verl's names; stages/trainer/kl.py)."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """The KL coefficient (fixed only)."""
     rollout_correction: CorrectionSettings = field(default_factory=CorrectionSettings)
     """verl's `algorithm.rollout_correction.*`: off-policy correction between engine and trainer."""
 
@@ -249,8 +294,11 @@ class StagesConfig:
     """Generation stage: class and its constructor keywords."""
     reward: Any = _stage("stages.reward.Reward")
     """Reward stage."""
-    advantage: Any = _stage("stages.advantage.GRPOAdvantage")
-    """Advantage stage."""
+    advantage: Any = field(default_factory=dict)
+    """Advantage stage: without a `_target_`, algorithm.adv_estimator's class (stages.advantage.ESTIMATORS) with
+    these keywords; a `_target_` here names the class itself and wins over adv_estimator."""
+    ref_logprob: Any = _stage("stages.ref_logprob.RefLogprob")
+    """Reference-policy logprobs; built only with actor.use_kl_loss or algorithm.use_kl_in_reward."""
 
 
 @dataclass

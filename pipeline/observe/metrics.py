@@ -39,11 +39,24 @@ class FullyAsyncCounters:
         }
 
 
-def step_metrics(batch, version: int, clock_stats: dict[str, Any], train_s: float) -> dict[str, float]:
+def reward_kl_metrics(table, kl_coef: float) -> dict[str, float]:
+    """verl's metrics of the KL in the reward, when the step's samples carry `reward_kl`: the mean over samples of
+    each sample's masked mean token KL, and the (fixed) coefficient."""
+    if "reward_kl" not in table.column_names:
+        return {}
+    values = [v for v in table["reward_kl"].to_pylist() if v is not None]
+    if not values:
+        return {}
+    return {"actor/reward_kl_penalty": float(np.mean(values)), "actor/reward_kl_penalty_coeff": float(kl_coef)}
+
+
+def step_metrics(
+    batch, version: int, clock_stats: dict[str, Any], train_s: float, kl_coef: float = 0.0
+) -> dict[str, float]:
     table = batch.table
     lags = version - np.asarray(table["param_version"].to_pylist())
     lengths = np.asarray(table["num_tokens"].to_pylist())
-    return {
+    return reward_kl_metrics(table, kl_coef) | {
         "reward/mean": float(np.mean(table["reward"].to_pylist())),
         "reward/error_ratio": float(np.mean([e is not None for e in table["reward_error"].to_pylist()])),
         "response_length/mean": float(lengths.mean()),

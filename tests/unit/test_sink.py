@@ -109,3 +109,26 @@ def test_record_writes_the_consumption_log(tmp_path):
     assert log["sample_id"].to_pylist() == ["A/0", "A/1", "B/0", "B/1"]
     assert set(log["consumed_version"].to_pylist()) == {3}
     assert step.minibatches(1)[1]["prompt_id"] == ["B", "B"]
+
+
+def test_step_transform_runs_over_the_whole_step(tmp_path):
+    # reinforce_plus_plus's whitening is over the step's trained tokens, not a block's: groups A (returns 1, 1)
+    # and B (returns 0, 0), one token each, arrive in different blocks. Over the step: mean 0.5, unbiased
+    # variance 1/3, so (1 - 0.5) / sqrt(1/3 + 1e-8) = 0.866025 and -0.866025; over A alone both would be 0.
+    from stages.advantage import whiten_step
+
+    def scored(pid: str, ret: float) -> pa.Table:
+        g = group(pid, 0).drop_columns(["response_mask", "token_advantages", "advantage"])
+        g = g.append_column("response_mask", pa.array([[1]] * N, pa.list_(pa.int8())))
+        g = g.append_column("token_advantages", pa.array([[ret]] * N, pa.list_(pa.float32())))
+        return g.append_column("advantage", pa.array([ret] * N, pa.float32()))
+
+    budget = StalenessBudget(0.0, 1, 1, 2)
+    sink = TrainingSink(
+        iter([scored("A", 1.0), scored("B", 0.0)]), budget, N, str(tmp_path / "c"), lambda v: 0, whiten_step
+    )
+    step = sink.next_step(version=0, steps_left_after_this=0)
+    assert ids(step) == ["A", "B"] and [g.num_rows for g in step.groups] == [N, N]
+    h = 0.5 / (1 / 3 + 1e-8) ** 0.5
+    assert step.table["advantage"].to_pylist() == pytest.approx([h, h, -h, -h], abs=1e-6)
+    assert [t[0] for t in step.minibatches(1)[1]["token_advantages"]] == pytest.approx([-h, -h], abs=1e-6)

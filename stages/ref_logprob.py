@@ -1,0 +1,60 @@
+"""RefLogprob: each response token's logprob under the frozen initial policy (the reference of the KL loss and of
+the KL in the reward).
+
+Input columns:  prompt_ids, response_ids
+Output columns: input columns + ref_logprobs (list<float32>, one per response token)
+
+The model is the HF directory the run starts from, loaded once per actor in float32 on the CPU and never updated.
+Every response token gets a value, masked (tool-result) ones too, so the column keeps the response's length; the
+consumers mask. The logits are not divided by a temperature, as the trainer computes its own logprobs, so a KL
+between the two compares like with like. Sequences go through the model `micro_batch_size` at a time, right-padded
+with an attention mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from schemas import SAMPLE_SCHEMA, require_columns
+
+
+class RefLogprob:
+    def __init__(self, model_dir: str, micro_batch_size: int = 8, num_threads: int = 1) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(num_threads)  # a stage actor shares a few cores with the engines and the trainer
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        self.model.eval().requires_grad_(False)
+        self.micro_batch_size = micro_batch_size
+        self.pad = self.model.config.pad_token_id or 0  # any id: the attention mask hides the padding
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        require_columns(batch, ["prompt_ids", "response_ids"], "RefLogprob")
+        prompts = batch.column("prompt_ids").to_pylist()
+        responses = batch.column("response_ids").to_pylist()
+        out: list[np.ndarray] = []
+        for lo in range(0, len(responses), self.micro_batch_size):
+            hi = lo + self.micro_batch_size
+            out += self.logprobs(prompts[lo:hi], responses[lo:hi])
+        field = SAMPLE_SCHEMA.field("ref_logprobs")
+        return batch.append_column(field, pa.array(out, field.type))
+
+    @torch.no_grad()
+    def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
+        """The response tokens' logprobs of one micro-batch, one float32 array per response."""
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            attn[i, : len(s)] = 1
+        logits = self.model(input_ids=ids, attention_mask=attn).logits
+        out = []
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            start = len(p) - 1  # the logits at position t predict token t + 1
+            logp = torch.log_softmax(logits[i, start : start + len(r)].float(), dim=-1)  # the response rows only
+            out.append(logp.gather(-1, torch.tensor(r, dtype=torch.long)[:, None]).squeeze(-1).numpy())
+        return out
