@@ -22,6 +22,7 @@ from pipeline.config import ConfigError, RunConfig, to_yaml
 from pipeline.observe.monitor import Monitor, make_monitor
 from pipeline.tasks.source import PromptDataError, admission_blocks, load_prompts
 from stages.staleness import StalenessBudget
+from stages.trainer.settings import PolicySettings
 
 
 @dataclass
@@ -91,7 +92,7 @@ class RunContext:
             .options(num_cpus=1, num_gpus=gpus)
             .remote(
                 str(self.model_dir),
-                policy=a.policy(),
+                policy=self._policy(),
                 use_rollout_log_probs=self.cfg.async_training.use_rollout_log_probs,
                 compute_prox_log_prob=self.cfg.async_training.compute_prox_log_prob,
                 seed=t.seed,
@@ -101,6 +102,14 @@ class RunContext:
             )
         )
         return trainer
+
+    def _policy(self) -> PolicySettings:
+        """The actor's objective; a null loss_scale_factor becomes data.max_response_length, verl's padded response
+        width, so seq-mean-token-sum-norm divides every micro-batch by the same constant."""
+        policy = self.cfg.actor.policy()
+        if policy.loss_scale_factor is None:
+            policy = dataclasses.replace(policy, loss_scale_factor=self.cfg.data.max_response_length)
+        return policy
 
     def stop_ray(self) -> None:
         if self.started_ray and ray.is_initialized():

@@ -9,14 +9,15 @@ weights the engines serve.
 On CPU megatron-core trains with three shims (DESIGN.md §4): `torch.cuda.current_device` answers "cpu", an RNG
 tracker that does not fork CUDA states, and an explicit bool causal mask. Its schedules and optimizer hard-code
 CUDA, so the step is written by hand: forward/backward per micro-batch, `finish_grad_sync`, `main_grad` -> `grad`,
-a TP-aware grad-norm clip, torch AdamW. The loss is TorchTrainer's (stages/trainer/loss.py: token-level
-aggregation over the mini-batch, rollout logprobs as the anchor, the same masks). The CUDA path
+a TP-aware grad-norm clip, torch AdamW. The objective and metrics are TorchTrainer's (stages/trainer/step.py);
+the entropy of the vocabulary-parallel logits all-reduces its max and two sums over the TP group. The CUDA path
 (`get_forward_backward_func` and megatron's distributed optimizer) is written but unverified.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.trainer.loss import micro_batched_logprobs
+from stages.trainer.loss import TokenForward, entropy_from_logits, micro_batched_logprobs
 from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, merge, shard, shard_dim, to_hf
 from stages.trainer.settings import PolicySettings
 from stages.trainer.step import Minibatch, StepTotals
@@ -169,8 +170,8 @@ class MegatronRank:
             param.copy_(shard(name, full[name], self.tp_rank, self.tp, self.shape))
 
     # --- forward -------------------------------------------------------------------------------------------------
-    def _token_logprobs(self, prompts: list, responses: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprob of each response token: (B, T) values and (B, T) validity mask, as TorchTrainer's."""
+    def _token_logprobs(self, prompts: list, responses: list, entropy: bool = False) -> TokenForward:
+        """Logprob of each response token (B, T) and, when asked, its entropy: TorchTrainer's contract."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         seqs = [np.concatenate([p, r]).astype(np.int64) for p, r in zip(prompts, responses, strict=True)]
@@ -187,15 +188,34 @@ class MegatronRank:
         vocab_ids = torch.arange(local_vocab, device=self.device) + self.tp_rank * local_vocab
         logits = logits.float().masked_fill(vocab_ids >= self.shape.vocab_size, float("-inf"))  # padding rows
         targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position t predicts token t + 1
+        token_ent = self._entropy(logits) if entropy else None  # (B, S); first: the cross entropy works in place
         token_logp = -vocab_parallel_cross_entropy(logits, targets)  # (B, S)
         width = max((len(r) for r in responses), default=0)
         logp = torch.zeros(len(seqs), width, device=self.device)
         mask = torch.zeros(len(seqs), width, device=self.device)
+        ent = torch.zeros(len(seqs), width, device=self.device) if entropy else None
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             start = len(p) - 1
             logp[i, : len(r)] = token_logp[i, start : start + len(r)]
             mask[i, : len(r)] = 1.0
-        return logp, mask
+            if ent is not None:
+                ent[i, : len(r)] = token_ent[i, start : start + len(r)]
+        return TokenForward(logp, mask, ent)
+
+    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, S) entropy of logits split over the vocabulary across TP ranks: the max and the two sums are
+        all-reduced (the sums forward only, as megatron's own vocab-parallel cross entropy does)."""
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        def reduce_max(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+            return t
+
+        def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+            return reduce_from_tensor_model_parallel_region(t, self.tp_group)
+
+        parallel = {"reduce_max": reduce_max, "reduce_sum": reduce_sum} if self.tp > 1 else {}
+        return entropy_from_logits(logits, grad=self.policy.entropy_coeff != 0, **parallel)
 
     @torch.no_grad()
     def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
@@ -204,11 +224,11 @@ class MegatronRank:
     # --- training ------------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]], recompute: bool = False) -> dict[str, float]:
         """TorchTrainer.train_step's contract: one optimizer update per mini-batch, the same metric keys."""
-        totals = StepTotals()
+        totals = StepTotals(self.policy)
         anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"]) if recompute else None for mb in minibatches]
         update = self._update_cuda if self.cuda else self._update
         for rows, anchor in zip(minibatches, anchors, strict=True):
-            update(Minibatch.of(rows, self.policy.loss_agg_mode, anchor), totals)
+            update(Minibatch.of(rows, self.policy, anchor), totals)
         return totals.metrics()
 
     def _update(self, mb: Minibatch, totals: StepTotals) -> None:
@@ -216,14 +236,15 @@ class MegatronRank:
         self.optimizer.zero_grad(set_to_none=True)
         for sl in mb.slices(self.policy.micro_batch_size):
             res = mb.loss(self._token_logprobs, sl, self.policy, self.device)
-            res.loss.backward()
+            res.total.backward()
             totals.add_micro(res)
         self.model.finish_grad_sync()  # DP all-reduce of the grad buffers (a no-op copy at DP=1)
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype)
         grad_norm = self._clip_grads()
-        self.optimizer.step()
-        totals.add_update(mb.num_tokens, grad_norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()  # as verl: an update whose gradient overflowed is skipped
+        totals.add_update(grad_norm)
 
     def _update_cuda(self, mb: Minibatch, totals: StepTotals) -> None:
         """Unverified here (no GPU): megatron's schedule drives the micro-batches, its optimizer clips and steps."""
@@ -234,13 +255,14 @@ class MegatronRank:
         def forward_step(data_iterator, model):
             sl = next(data_iterator)
 
-            def loss_func(logp_and_mask):
-                res = mb.loss(lambda *_: logp_and_mask, sl, self.policy, self.device)
+            def loss_func(forward: TokenForward):
+                res = mb.loss(lambda *_, **__: forward, sl, self.policy, self.device)
                 totals.add_micro(res)
                 # The schedule divides by the micro-batch count; ours is already the mini-batch's share.
-                return res.loss * len(slices), {}
+                return res.total * len(slices), {}
 
-            return self._token_logprobs(mb.rows["prompt_ids"][sl], mb.rows["response_ids"][sl]), loss_func
+            rows = mb.rows
+            return self._token_logprobs(rows["prompt_ids"][sl], rows["response_ids"][sl], entropy=True), loss_func
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -254,7 +276,7 @@ class MegatronRank:
             forward_only=False,
         )
         _, grad_norm, _ = self.optimizer.step()
-        totals.add_update(mb.num_tokens, float(grad_norm or 0.0))
+        totals.add_update(float(grad_norm or 0.0))
 
     def _clip_grads(self) -> float:
         """torch's clip_grad_norm_ over the whole model: TP shards count once each, replicated params once."""

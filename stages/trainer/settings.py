@@ -10,29 +10,67 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-LossAggMode = Literal["token-mean", "seq-mean-token-mean"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# stages/trainer/kl.py's KL_TYPES_ALL, spelt out here so loading a config does not import torch (a test pins both).
+KLType = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"
+]
 ISLevel = Literal["token", "sequence"]
 RSMode = Literal["sequence", "geometric"]
 
 
 @dataclass
 class PolicySettings:
-    """The PPO step of both backends (verl's `actor_rollout_ref.actor.*` keys)."""
+    """The PPO step of both backends (verl's `actor_rollout_ref.actor.*` keys, verl's defaults)."""
 
     lr: float = 5e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    clip_ratio_low: float = 0.2
-    """PPO lower clip: ratio >= 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.28
-    """PPO upper clip: ratio <= 1 + clip_ratio_high."""
+    clip_ratio: float = 0.2
+    """PPO clip range epsilon; the default of clip_ratio_low and clip_ratio_high."""
+    clip_ratio_low: float | None = None
+    """PPO lower clip: ratio >= 1 - clip_ratio_low; null means clip_ratio."""
+    clip_ratio_high: float | None = None
+    """PPO upper clip: ratio <= 1 + clip_ratio_high; null means clip_ratio (DAPO's clip-higher sets it above)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound: a token with a negative advantage loses at most |A| * clip_ratio_c. Must be > 1."""
     loss_agg_mode: LossAggMode = "token-mean"
-    """'token-mean' (every token of the mini-batch weighs the same) or 'seq-mean-token-mean'."""
+    """How per-token terms become one loss, over the whole mini-batch: 'token-mean' (sum / trained tokens),
+    'seq-mean-token-sum' (sum of each response's token sums / responses), 'seq-mean-token-mean' (sum of each
+    response's token means / responses) or 'seq-mean-token-sum-norm' (sum / loss_scale_factor). Responses are
+    every row of the mini-batch (ppo_mini_batch_size * rollout.n), fully masked ones included."""
+    loss_scale_factor: int | None = None
+    """The divisor of 'seq-mean-token-sum-norm'; null means the padded response width (the run passes
+    data.max_response_length, so it is the same constant for every micro-batch)."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: loss -= entropy_coeff * entropy (aggregated like the loss). actor/entropy is logged anyway."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * KL(current || reference) to the loss; needs the ref_logprobs column."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: KLType = "low_var_kl"
+    """Per-token KL estimator (stages/trainer/kl.py); a trailing '+' takes k2's gradient (straight-through)."""
     grad_clip: float = 1.0
     """Max global grad norm."""
     micro_batch_size: int = 32
     """Trajectories per forward/backward pass (gradient accumulation; memory only)."""
+
+    def __post_init__(self) -> None:
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(
+                f"actor.clip_ratio_c must be > 1 (the dual-clip bound on |A| * ratio), not {self.clip_ratio_c}"
+            )
+        if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
+            raise ValueError(f"actor.loss_scale_factor must be > 0 or null, not {self.loss_scale_factor}")
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
 @dataclass

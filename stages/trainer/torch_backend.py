@@ -1,4 +1,4 @@
-"""TorchTrainer: the plain-torch trainer backend (HF causal LM, AdamW, PPO-clip with token-level aggregation).
+"""TorchTrainer: the plain-torch trainer backend (HF causal LM, AdamW, verl's actor loss from stages/trainer/step.py).
 
 It runs in one long-lived Ray actor: the driver hands it each step's samples (already grouped by the training
 sink) and asks it to push its weights to the engines every `trigger_parameter_sync_step` steps. Like verl, one
@@ -14,6 +14,7 @@ The old logprobs of the PPO ratio are, as in verl:
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from stages.trainer.correction import finalize_stats, merge_stats, rollout_correction
-from stages.trainer.loss import micro_batched_logprobs
+from stages.trainer.loss import TokenForward, entropy_from_logits, micro_batched_logprobs
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.step import Minibatch, StepTotals, pad_rows
 from stages.trainer.weight_sync import make_weight_sync
@@ -68,8 +69,7 @@ class TorchTrainer:
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
         """One trainer step: an optimizer update per mini-batch. Each mini-batch maps column -> list of rows."""
-        totals, correction = StepTotals(), {}
-        agg = self.policy.loss_agg_mode
+        totals, correction = StepTotals(self.policy), {}
         # The proximal anchor is the weights at the start of the step: all of it before the first update.
         anchors: list = [None] * len(minibatches)
         if self.recompute:
@@ -78,18 +78,21 @@ class TorchTrainer:
             masks, weights = None, None
             if anchor is not None:  # decoupled PPO: the ratio is against the proximal policy, IS against behaviour
                 masks, weights = self._correct(anchor, rows["response_logprobs"], rows["response_mask"], correction)
-            self._update(Minibatch.of(rows, agg, anchor, masks, weights), totals)
+            self._update(Minibatch.of(rows, self.policy, anchor, masks, weights), totals)
         return (finalize_stats(correction) if correction else {}) | totals.metrics()
 
     def _update(self, mb: Minibatch, totals: StepTotals) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for sl in mb.slices(self.policy.micro_batch_size):
             res = mb.loss(self._token_logprobs, sl, self.policy)
-            res.loss.backward()
+            res.total.backward()
             totals.add_micro(res)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.grad_clip))
-        self.optimizer.step()
-        totals.add_update(mb.num_tokens, grad_norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # as verl: an update whose gradient overflowed is skipped, not applied
+            self.optimizer.zero_grad(set_to_none=True)
+        totals.add_update(grad_norm)
 
     def _correct(self, prox: list, behaviour: list, masks: list, totals: dict) -> tuple[list, torch.Tensor | None]:
         """Rejection-masked token masks and the IS weights (None without `rollout_is`) of one mini-batch."""
@@ -103,8 +106,9 @@ class TorchTrainer:
         kept = [corr.mask[i, : len(m)].numpy() for i, m in enumerate(masks)]
         return kept, corr.weights if self.correction.rollout_is else None
 
-    def _token_logprobs(self, prompts: list, responses: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logprob of each response token under the current weights: (B, T) values and (B, T) validity mask."""
+    def _token_logprobs(self, prompts: list, responses: list, entropy: bool = False) -> TokenForward:
+        """Logprob of each response token under the current weights, (B, T), and its distribution's entropy when
+        asked (from the same logits; with a graph only when entropy_coeff puts it in the loss)."""
         seqs = [torch.tensor(np.concatenate([p, r]).astype(np.int64)) for p, r in zip(prompts, responses, strict=True)]
         ids = pad_sequence(seqs, batch_first=True, padding_value=self.pad)  # (B, S)
         attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
@@ -112,6 +116,7 @@ class TorchTrainer:
         width = max((len(r) for r in responses), default=0)
         logp = torch.zeros(len(seqs), width)
         mask = torch.zeros(len(seqs), width)
+        ent = torch.zeros(len(seqs), width) if entropy else None
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             if len(r) == 0:
                 continue
@@ -120,7 +125,9 @@ class TorchTrainer:
             target = torch.as_tensor(np.asarray(r, np.int64))
             logp[i, : len(r)] = torch.log_softmax(step_logits, -1).gather(-1, target[:, None]).squeeze(-1)
             mask[i, : len(r)] = 1.0
-        return logp, mask
+            if ent is not None:
+                ent[i, : len(r)] = entropy_from_logits(step_logits, grad=self.policy.entropy_coeff != 0)
+        return TokenForward(logp, mask, ent)
 
     @torch.no_grad()
     def logprobs(self, prompts: list, responses: list) -> list[list[float]]:

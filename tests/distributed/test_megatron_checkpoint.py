@@ -43,7 +43,7 @@ def test_checkpoint_resumes_the_next_step_exactly(tmp_path):
     original = _run(str(task.model_dir), str(ckpt))
     assert (ckpt / "model" / "config.json").exists() and (ckpt / "model" / "tokenizer.json").exists()
     resumed = _run(str(ckpt / "model"), "", str(ckpt / "optimizer.pt"))
-    for key in ("train/loss", "train/grad_norm"):
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert resumed["step"][key] == original["step"][key], key
     for name, value in original["weights"].items():
         np.testing.assert_array_equal(resumed["weights"][name], value, err_msg=name)

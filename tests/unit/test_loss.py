@@ -1,50 +1,140 @@
-"""PPO-clip loss against values computed by hand."""
+"""The actor loss's pieces (stages/trainer/loss.py) against values worked out by hand from verl's definitions."""
 
 import math
+import threading
 
 import pytest
 import torch
 
-from stages.trainer.loss import ppo_clip_loss
+from stages.trainer.loss import AggCounts, agg_loss, entropy_from_logits, ppo_clip_loss
+
+# SPEC §1's worked example: one row, 5 trained tokens, eps 0.2, c 3.
+RATIOS = [1.5, 0.5, 0.5, 5.0, 1.0]
+ADV = [1.0, 1.0, -1.0, -1.0, 2.0]
 
 
-def test_on_policy_token_mean_is_minus_mean_advantage():
-    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], requires_grad=True)
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    adv = torch.tensor([1.0, -2.0])
-    out = ppo_clip_loss(logp, logp.detach(), adv, mask, 0.2, 0.28, "token-mean", denominator=3.0)
-    # ratio == 1 everywhere: loss = -(1 + 1 - 2) / 3
-    assert out.loss.item() == pytest.approx(0.0)
-    out.loss.backward()
-    # d loss / d logp = -A * ratio / 3 on trained tokens, 0 on padding
-    assert torch.allclose(logp.grad, torch.tensor([[-1 / 3, -1 / 3, 0.0], [2 / 3, 0.0, 0.0]]))
-    assert out.clipped_tokens == 0
-    assert out.ratio_sum == pytest.approx(3.0)
+def _example(logp: torch.Tensor, agg: str = "token-mean", denominator: float = 5.0):
+    old = torch.zeros(1, 5)
+    return ppo_clip_loss(logp, old, torch.tensor([ADV]), torch.ones(1, 5), 0.2, 0.2, agg, denominator, clip_c=3.0)
 
 
-def test_clipping_by_hand():
-    old = torch.tensor([[0.0, 0.0]])
-    logp = torch.tensor([[math.log(1.5), math.log(0.5)]])  # ratios 1.5 and 0.5
-    mask = torch.ones(1, 2)
-    pos = ppo_clip_loss(logp, old, torch.tensor([2.0]), mask, 0.2, 0.28, "token-mean", 2.0)
-    # A>0: min(1.5, 1.28) * 2 = 2.56 ; min(0.5, 0.8) * 2 = 1.0 -> loss = -(2.56 + 1.0) / 2
-    assert pos.loss.item() == pytest.approx(-(2.56 + 1.0) / 2)
-    assert pos.clipped_tokens == 1
-    neg = ppo_clip_loss(logp, old, torch.tensor([-1.0]), mask, 0.2, 0.28, "token-mean", 2.0)
-    # A<0: max(1.5, 1.28) * 1 = 1.5 ; max(0.5, 0.8) * 1 = 0.8 -> loss = (1.5 + 0.8) / 2
-    assert neg.loss.item() == pytest.approx((1.5 + 0.8) / 2)
-    assert neg.clipped_tokens == 1
-    assert neg.kl_sum == pytest.approx(-(math.log(1.5) + math.log(0.5)))
+def test_vanilla_loss_with_dual_clip_on_the_worked_example():
+    out = _example(torch.log(torch.tensor([RATIOS])))
+    # t0: -min(1.5, 1.2) = -1.2; t1: -min(0.5, 0.8)... = -0.5; t2 (A<0): max(0.5, 0.8) = 0.8;
+    # t3 (A<0): max(5, 1.2) = 5 capped by the dual clip at c = 3; t4: -2 * 1 = -2.
+    assert out.per_token[0].tolist() == pytest.approx([-1.2, -0.5, 0.8, 3.0, -2.0])
+    assert out.loss.item() == pytest.approx(0.02)  # (-1.2 - 0.5 + 0.8 + 3 - 2) / 5
+    assert out.clipped_tokens / out.tokens == pytest.approx(0.4)  # t0, t2 (L2 > L1 strictly)
+    assert out.dual_clipped_tokens / out.tokens == pytest.approx(0.2)  # t3
+    assert out.kl_sum / out.tokens == pytest.approx(-0.125722, abs=1e-6)  # mean(old - new) = -mean(ln r)
 
 
-def test_seq_mean_token_mean_weighs_sequences_equally():
-    logp = torch.zeros(2, 3)
-    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    out = ppo_clip_loss(logp, logp, torch.tensor([1.0, 3.0]), mask, 0.2, 0.2, "seq-mean-token-mean", 2.0)
-    assert out.loss.item() == pytest.approx(-(1.0 + 3.0) / 2)
+def test_a_dual_clipped_token_has_no_gradient():
+    logp = torch.log(torch.tensor([RATIOS])).requires_grad_()
+    _example(logp).loss.backward()
+    # d/dlogp of -A r / 5 = -A r / 5 where no clip is active; 0 on t0 (clipped), t2 (clipped), t3 (dual clip).
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -0.1, 0.0, 0.0, -0.4])
 
 
-def test_unknown_aggregation_is_an_error():
-    z = torch.zeros(1, 1)
+def test_the_log_ratio_is_clamped_before_exp():
+    logp = torch.tensor([[30.0]], requires_grad=True)  # ratio e^30 would be e^20 after the clamp
+    out = ppo_clip_loss(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), 0.2, 0.2, "token-mean", 1.0)
+    assert out.loss.item() == pytest.approx(3.0)  # dual clip at c = 3
+    assert out.ratio_sum == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert out.kl_sum == pytest.approx(-20.0)
+
+
+# SPEC §2's example: B = 3, L = 4, the last row fully masked; row sums 6 and 11, 17 in all.
+X = torch.tensor([[1.0, 2, 3, 4], [5, 6, 0, 0], [7, 8, 9, 10]])
+M = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    "mode, counts, expected",
+    [
+        # token-mean: 17 / T, T = the mini-batch's 5 trained tokens
+        ("token-mean", AggCounts(tokens=5, sequences=3, scale_factor=4), 3.4),
+        # with 2 data-parallel ranks and T = 10 over both: 17 / 10 * 2 on this rank (verl's engine path)
+        ("token-mean", AggCounts(tokens=10, sequences=6, scale_factor=4, dp_size=2), 3.4),
+        # seq-mean-*: divided by every row of the mini-batch, the fully masked one included (G = 3)
+        ("seq-mean-token-sum", AggCounts(tokens=5, sequences=3, scale_factor=4), 17 / 3),
+        ("seq-mean-token-sum", AggCounts(tokens=10, sequences=6, scale_factor=4, dp_size=2), 17 / 6 * 2),
+        ("seq-mean-token-mean", AggCounts(tokens=5, sequences=3, scale_factor=4), (6 / 3 + 11 / 2) / 3),
+        # seq-mean-token-sum-norm: 17 / loss_scale_factor (the padded width 4, or a given 2), no dp factor
+        ("seq-mean-token-sum-norm", AggCounts(tokens=5, sequences=3, scale_factor=4), 4.25),
+        ("seq-mean-token-sum-norm", AggCounts(tokens=10, sequences=6, scale_factor=2, dp_size=2), 8.5),
+    ],
+)
+def test_every_aggregation_mode_with_a_fully_masked_row(mode, counts, expected):
+    assert agg_loss(X, M, mode, counts.denominator(mode)).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_values_off_the_mask_cannot_leak():
+    values = torch.tensor([[1.0, float("nan"), float("inf")]])
+    assert agg_loss(values, torch.tensor([[1.0, 0.0, 0.0]]), "token-mean", 1.0).item() == 1.0
+
+
+def test_an_unknown_aggregation_is_an_error():
+    with pytest.raises(ValueError, match="loss_agg_mode 'token-sum'"):
+        AggCounts(1, 1, 1).denominator("token-sum")
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        ppo_clip_loss(z, z, torch.zeros(1), z + 1, 0.2, 0.2, "sum", 1.0)
+        agg_loss(X, M, "sum", 1.0)
+
+
+def test_entropy_from_logits_by_hand():
+    # uniform over 4: ln 4; one-hot (the rest -inf, like padded vocabulary rows): 0; [0, ln 3]: p = [1/4, 3/4],
+    # H = -(1/4 ln 1/4 + 3/4 ln 3/4) = ln 4 - 3/4 ln 3.
+    logits = torch.tensor([[0.0, 0, 0, 0], [5.0, -math.inf, -math.inf, -math.inf], [0.0, math.log(3), -math.inf, -1e9]])
+    expected = [math.log(4), 0.0, math.log(4) - 0.75 * math.log(3)]
+    assert entropy_from_logits(logits).tolist() == pytest.approx(expected, abs=1e-6)
+    z = logits.clone().requires_grad_()
+    entropy_from_logits(z).sum().backward()
+    assert torch.isfinite(z.grad).all() and z.grad[1].abs().sum() == 0
+
+
+class _TwoRankReduce:
+    """All-reduce between two threads holding one vocabulary half each (a hand-written stand-in for the TP group):
+    forward the reduced value, backward identity, as megatron's reduce_from_tensor_model_parallel_region."""
+
+    def __init__(self) -> None:
+        self.barrier, self.slots = threading.Barrier(2), {}
+
+    def _exchange(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = t.detach()
+        self.barrier.wait()
+        both = [self.slots[0], self.slots[1]]
+        self.barrier.wait()
+        return both
+
+    def max(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(*self._exchange(rank, t))
+
+    def sum(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        total = sum(self._exchange(rank, t))
+        return t + (total - t).detach()
+
+
+def test_entropy_over_a_vocabulary_split_in_two_equals_the_whole():
+    torch.manual_seed(0)
+    full = (3 * torch.randn(4, 6)).requires_grad_()
+    entropy_from_logits(full).sum().backward()
+    reduce, halves, values = _TwoRankReduce(), [], {}
+
+    def rank(r: int) -> None:
+        part = full.detach()[:, 3 * r : 3 * r + 3].clone().requires_grad_()
+        h = entropy_from_logits(
+            part, reduce_max=lambda t: reduce.max(r, t), reduce_sum=lambda t: reduce.sum(r, t)
+        )  # (4,), the same on both ranks
+        h.sum().backward()
+        halves.append((r, part.grad))
+        values[r] = h.detach()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = entropy_from_logits(full.detach())
+    assert torch.allclose(values[0], expected, atol=1e-6) and torch.allclose(values[1], expected, atol=1e-6)
+    for r, grad in halves:
+        assert torch.allclose(grad, full.grad[:, 3 * r : 3 * r + 3], atol=1e-6)

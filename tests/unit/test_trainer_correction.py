@@ -65,7 +65,7 @@ def test_rejection_drops_every_token(model_dir):
     trainer = _trainer(model_dir, rollout_correction=rejection)
     m = trainer.train_step([_minibatch(trainer, 4, shift=math.log(0.5))])
     assert m["rollout_corr/rollout_rs_masked_seq_fraction"] == 1.0
-    assert m["train/loss"] == 0.0 and m["train/grad_norm"] == 0.0
+    assert m["actor/pg_loss"] == 0.0 and m["actor/grad_norm"] == 0.0
 
 
 def test_correction_needs_the_proximal_logprobs(model_dir):
