@@ -37,7 +37,10 @@ def _translate_verl(layer: DictConfig) -> DictConfig:
         value = OmegaConf.select(layer, verl_key, default=None)
         if value is None:
             continue
-        if OmegaConf.select(layer, ours, default=None) is None:
+        existing = OmegaConf.select(layer, ours, default=None)
+        if isinstance(value, DictConfig) and isinstance(existing, DictConfig):  # a section: key by key, ours win
+            OmegaConf.update(layer, ours, OmegaConf.merge(value, existing), merge=False, force_add=True)
+        elif existing is None:
             OmegaConf.update(layer, ours, value, merge=True, force_add=True)
         parent_key, _, leaf = verl_key.rpartition(".")
         parent = OmegaConf.select(layer, parent_key) if parent_key else layer
