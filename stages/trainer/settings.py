@@ -7,6 +7,7 @@ Each choice is a `Literal`, so omegaconf refuses a value outside it and names th
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -16,7 +17,20 @@ KLType = Literal[
     "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"
 ]
 ISLevel = Literal["token", "sequence"]
-RSMode = Literal["sequence", "geometric"]
+RSOption = Literal[
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+]
+LegacyRSMode = Literal["sequence", "geometric"]
 
 
 @dataclass
@@ -76,37 +90,119 @@ class PolicySettings:
 @dataclass
 class CorrectionSettings:
     """verl's `algorithm.rollout_correction.*`: off-policy correction between the engine (behaviour) and the trainer
-    (proximal) logprobs; stages/trainer/correction.py applies it."""
+    (proximal) logprobs, with log rho = proximal - behaviour; stages/trainer/correction.py applies it.
+
+    Rejection takes verl's named options (`RSOption`), comma-chained; a token survives only if every option keeps
+    it. Two older keys still work and map onto them (verl itself dropped them):
+    - `rollout_rs: sequence` keeps a response when prod_t rho in [lower, upper]: verl's `seq_sum_k1` with
+      threshold "1/upper_1/lower" (k1 = -log rho flips the bounds), identical when lower = 1/upper;
+    - `rollout_rs: geometric` does the same on exp(mean_t log rho): verl's `seq_mean_k1` ("Geo-RS");
+    - `rollout_token_veto_threshold` rejects a response when any token's rho is below it; no verl option does
+      that (`token_k1` drops only the token itself), so it is its own rule, `token_veto` in the metrics.
+    """
 
     rollout_is: ISLevel | None = None
     """Importance weights proximal / behaviour: 'token', 'sequence' or null (off)."""
     rollout_is_threshold: float = 2.0
-    """Upper truncation of the importance weights (TIS)."""
-    rollout_rs: RSMode | None = None
-    """Reject whole responses by their ratio: 'sequence' (product), 'geometric' (per-token mean) or null (off)."""
-    rollout_rs_threshold: float | None = None
-    """Upper bound of the accepted ratio (required with rollout_rs)."""
+    """Upper truncation of the importance weights (TIS); nothing is zeroed."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated weights by their step mean (token: over tokens; sequence: over responses)."""
+    rollout_rs: str | None = None
+    """Rejection: comma-chained options of RSOption (e.g. 'token_k1,seq_max_k3'), or the single legacy 'sequence'
+    or 'geometric'; null is off."""
+    rollout_rs_threshold: str | None = None
+    """One threshold for all options or one per option, comma-separated. k1 options take 'lo_hi' (write both with a
+    decimal point or quote it: YAML reads 0.5_2 as the number 0.52) or one value hi meaning lo = 1/hi; k2/k3 options
+    one upper bound. A number is accepted too."""
     rollout_rs_threshold_lower: float | None = None
-    """Lower bound of the accepted ratio; null means 1 / rollout_rs_threshold."""
+    """Legacy 'sequence'/'geometric' only: the lower bound of the ratio; null means 1 / rollout_rs_threshold."""
     rollout_token_veto_threshold: float | None = None
     """Reject a response when any token's ratio falls below this; null is off."""
 
     def __post_init__(self) -> None:
         key = "algorithm.rollout_correction"
-        for name, kind in (("rollout_is", ISLevel), ("rollout_rs", RSMode)):  # also when built without omegaconf
-            if getattr(self, name) not in (None, *get_args(kind)):
-                raise ValueError(f"{key}.{name} must be one of {get_args(kind)} or null, not {getattr(self, name)!r}")
-        if self.rollout_rs is not None and self.rollout_rs_threshold is None:
-            raise ValueError(f"{key}.rollout_rs needs {key}.rollout_rs_threshold (the upper bound of the ratio)")
+        if self.rollout_is is not None and self.rollout_is not in get_args(
+            ISLevel
+        ):  # also when built without omegaconf
+            raise ValueError(f"{key}.rollout_is must be one of {get_args(ISLevel)} or null, not {self.rollout_is!r}")
         if self.rollout_is_threshold <= 0:
             raise ValueError(f"{key}.rollout_is_threshold must be > 0, not {self.rollout_is_threshold}")
+        if self.rollout_is_batch_normalize and self.rollout_is is None:
+            raise ValueError(f"{key}.rollout_is_batch_normalize normalises IS weights: set {key}.rollout_is too")
+        if self.rollout_token_veto_threshold is not None and self.rollout_token_veto_threshold <= 0:
+            raise ValueError(f"{key}.rollout_token_veto_threshold must be > 0 or null")
+        self.rs_rules()  # raises on a bad option or threshold
 
     @property
     def active(self) -> bool:
         return any(x is not None for x in (self.rollout_is, self.rollout_rs, self.rollout_token_veto_threshold))
 
-    @property
-    def rs_bounds(self) -> tuple[float, float]:
-        upper = float(self.rollout_rs_threshold)
-        lower = self.rollout_rs_threshold_lower
-        return (1.0 / upper if lower is None else float(lower)), upper  # verl's default lower is 1 / upper
+    def rs_rules(self) -> list[tuple[str, float | None, float]]:
+        """`rollout_rs` as (option, lo, hi) in verl's terms: k1 options keep log lo <= k1 <= log hi, k2/k3 ones
+        keep stat <= hi (lo None). Empty when rejection is off."""
+        key = "algorithm.rollout_correction"
+        if self.rollout_rs is None:
+            if self.rollout_rs_threshold_lower is not None:
+                raise ValueError(f"{key}.rollout_rs_threshold_lower needs rollout_rs 'sequence' or 'geometric'")
+            return []
+        if self.rollout_rs_threshold is None:
+            raise ValueError(f"{key}.rollout_rs needs {key}.rollout_rs_threshold (the upper bound of the ratio)")
+        if self.rollout_rs.strip() in get_args(LegacyRSMode):
+            return [self._legacy_rule()]
+        options = list(dict.fromkeys(o.strip() for o in self.rollout_rs.split(",") if o.strip()))  # verl: dedup
+        for opt in options or [""]:
+            if opt not in get_args(RSOption):
+                close = difflib.get_close_matches(opt, get_args(RSOption), n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise ValueError(
+                    f"{key}.rollout_rs has unknown option {opt!r}: valid are {', '.join(get_args(RSOption))}, or "
+                    f"alone the legacy {' / '.join(get_args(LegacyRSMode))}.{hint}"
+                )
+        if self.rollout_rs_threshold_lower is not None:
+            raise ValueError(
+                f"{key}.rollout_rs_threshold_lower only applies to rollout_rs 'sequence'/'geometric': give k1 options "
+                f"their bounds as {key}.rollout_rs_threshold='lo_hi'"
+            )
+        specs = [s.strip() for s in str(self.rollout_rs_threshold).split(",") if s.strip()]
+        if len(specs) not in (1, len(options)):
+            raise ValueError(
+                f"{key}.rollout_rs_threshold has {len(specs)} entries for {len(options)} rollout_rs options: give one "
+                "shared by all or one per option, comma-separated"
+            )
+        return [self._rule(opt, spec) for opt, spec in zip(options, specs * len(options), strict=False)]
+
+    def _rule(self, option: str, spec: str) -> tuple[str, float | None, float]:
+        key = "algorithm.rollout_correction.rollout_rs_threshold"
+        k1 = option.endswith("k1")
+        if "_" in spec and not k1:
+            raise ValueError(f"{key} for {option} is one upper bound, not {spec!r} ('lo_hi' is for k1 options)")
+        try:
+            bounds = [float(x) for x in spec.split("_", 1)]
+        except ValueError:
+            raise ValueError(f"{key} for {option}: {spec!r} is not a number (or 'lo_hi' for k1 options)") from None
+        if min(bounds) <= 0:
+            raise ValueError(f"{key} for {option} must be > 0, not {spec!r}")
+        if not k1:
+            return option, None, bounds[0]
+        lo, hi = bounds if len(bounds) == 2 else (1.0 / bounds[0], bounds[0])
+        if lo >= hi:
+            raise ValueError(f"{key} for {option}: 'lo_hi' needs lo < hi, not {spec!r}")
+        return option, lo, hi
+
+    def _legacy_rule(self) -> tuple[str, float | None, float]:
+        """The legacy ratio bounds [lower, upper] on rho as verl's k1 bounds on -log rho: [1/upper, 1/lower]."""
+        key = "algorithm.rollout_correction"
+        try:
+            upper = float(self.rollout_rs_threshold)
+        except ValueError:
+            raise ValueError(
+                f"{key}.rollout_rs_threshold for rollout_rs {self.rollout_rs!r} is one number (the upper bound of the "
+                f"ratio), not {self.rollout_rs_threshold!r}"
+            ) from None
+        if upper <= 0:
+            raise ValueError(f"{key}.rollout_rs_threshold must be > 0, not {self.rollout_rs_threshold!r}")
+        lower = 1.0 / upper if self.rollout_rs_threshold_lower is None else float(self.rollout_rs_threshold_lower)
+        if not 0 < lower < upper:
+            raise ValueError(f"{key}: the ratio bounds need 0 < rollout_rs_threshold_lower < rollout_rs_threshold")
+        option = "seq_sum_k1" if self.rollout_rs.strip() == "sequence" else "seq_mean_k1"
+        return option, 1.0 / upper, 1.0 / lower

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from stages.trainer.correction import finalize_stats, merge_stats, rollout_correction
+from stages.trainer.correction import correct_step
 from stages.trainer.loss import TokenForward, entropy_from_logits, micro_batched_logprobs
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.step import Minibatch, StepTotals, pad_rows
@@ -69,17 +69,17 @@ class TorchTrainer:
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
         """One trainer step: an optimizer update per mini-batch. Each mini-batch maps column -> list of rows."""
-        totals, correction = StepTotals(self.policy), {}
+        totals = StepTotals(self.policy)
         # The proximal anchor is the weights at the start of the step: all of it before the first update.
         anchors: list = [None] * len(minibatches)
-        if self.recompute:
+        corrections: list[tuple[list | None, torch.Tensor | None]] = [(None, None)] * len(minibatches)
+        correction_metrics: dict[str, float] = {}
+        if self.recompute:  # decoupled PPO: the ratio is against the proximal policy, IS against behaviour
             anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"]) for mb in minibatches]
-        for rows, anchor in zip(minibatches, anchors, strict=True):
-            masks, weights = None, None
-            if anchor is not None:  # decoupled PPO: the ratio is against the proximal policy, IS against behaviour
-                masks, weights = self._correct(anchor, rows["response_logprobs"], rows["response_mask"], correction)
+            corrections, correction_metrics = self._correct(minibatches, anchors)
+        for rows, anchor, (masks, weights) in zip(minibatches, anchors, corrections, strict=True):
             self._update(Minibatch.of(rows, self.policy, anchor, masks, weights), totals)
-        return (finalize_stats(correction) if correction else {}) | totals.metrics()
+        return correction_metrics | totals.metrics()
 
     def _update(self, mb: Minibatch, totals: StepTotals) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -94,17 +94,22 @@ class TorchTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         totals.add_update(grad_norm)
 
-    def _correct(self, prox: list, behaviour: list, masks: list, totals: dict) -> tuple[list, torch.Tensor | None]:
-        """Rejection-masked token masks and the IS weights (None without `rollout_is`) of one mini-batch."""
-        masks = [np.asarray(m, np.float32) for m in masks]
-        width = max((len(m) for m in masks), default=0)
-        as_rows = [np.asarray(x, np.float32) for x in prox], [np.asarray(x, np.float32) for x in behaviour]
-        corr = rollout_correction(
-            pad_rows(as_rows[0], width), pad_rows(as_rows[1], width), pad_rows(masks, width), self.correction
+    def _correct(self, minibatches: list, anchors: list) -> tuple[list, dict[str, float]]:
+        """The whole step corrected at once, as verl corrects a training batch; then each mini-batch's share:
+        its rejection-masked token masks and (B, T) IS weights (None without `rollout_is`)."""
+        step = correct_step(
+            [row for anchor in anchors for row in anchor],
+            [row for mb in minibatches for row in mb["response_logprobs"]],
+            [row for mb in minibatches for row in mb["response_mask"]],
+            self.correction,
         )
-        merge_stats(totals, corr.stats)
-        kept = [corr.mask[i, : len(m)].numpy() for i, m in enumerate(masks)]
-        return kept, corr.weights if self.correction.rollout_is else None
+        shares, start = [], 0
+        for mb in minibatches:
+            share = slice(start, start + len(mb["response_ids"]))
+            w = None if step.weights is None else step.weights[share]
+            shares.append((step.masks[share], None if w is None else pad_rows(w, max(map(len, w), default=0))))
+            start = share.stop
+        return shares, step.metrics
 
     def _token_logprobs(self, prompts: list, responses: list, entropy: bool = False) -> TokenForward:
         """Logprob of each response token under the current weights, (B, T), and its distribution's entropy when
