@@ -82,7 +82,8 @@ class Validator:
         self.store = f"{store_root(cfg.weight_sync.store, run_dir)}/validation"
         self.out = Path(run_dir) / "validation"
         self.pending: list[tuple[Any, int]] = []  # (message seq, or the dedicated engine's ObjectRef; version)
-        self.score = Reward()
+        crf = cfg.custom_reward_function  # validation scores as training does
+        self.score = Reward(custom_path=crf.path, custom_name=crf.name, reward_kwargs=dict(crf.reward_kwargs))
 
     @property
     def enabled(self) -> bool:

@@ -1,13 +1,30 @@
-"""Verifiers: pure-python scorers mapping (response_text, ground_truth) to a reward in [0, 1].
+"""What a sample scores: the built-in verifiers by data source, or a user's verl-style reward function.
 
-`VERIFIERS[data_source]` is what the Reward stage calls for each sample. A verifier must be total: any input
-(empty, malformed, not even a string) gets a score, never an exception, because one bad sample must not
-fail a whole block of the stream. No torch here: the Reward stage runs on plain CPU workers.
+`VERIFIERS[data_source]` maps (response_text, ground_truth) to a reward in [0, 1]: `reverse` and `calc` for the
+embedded tasks, math-verify (stages/math_verifier.py) for verl's math data sources. A custom reward function
+(verl's `custom_reward_function`) replaces that routing for every sample: it is called as verl calls it,
+`compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=..., **reward_kwargs)`, and returns
+a number or a dict with a `score` key, whose other keys become the sample's reward_extra_info.
+
+`score_sample` turns any failure of either kind (an exception, a non-number, NaN or inf, a built-in verifier's
+value outside [0, 1]) into reward 0 and a reason, because one bad sample must not fail a whole block of the stream.
+No torch here: the Reward stage runs on plain CPU workers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import numbers
+import sys
 from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
 
 from stages.math_verifier import score_math
 
@@ -69,3 +86,131 @@ MATH_SOURCES = ("gsm8k", "openai/gsm8k", "math", "lighteval/MATH", "math_dapo")
 VERIFIERS: dict[str, Callable[[str, str], float]] = {"reverse": score_reverse, "calc": score_calc} | dict.fromkeys(
     MATH_SOURCES, score_math
 )
+
+# The keywords verl passes to a custom reward function (verl/workers/reward_manager/naive.py).
+SCORE_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
+_CALL = "compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)"
+
+
+class RewardFunctionError(ValueError):
+    """A custom reward function cannot be loaded, or cannot be called as verl calls it."""
+
+
+def load_score_function(path: str, name: str = "compute_score") -> Callable[..., Any]:
+    """The function `name` of the Python file `path` (verl's forms: a path, `file://<path>`, `pkg://<module>`)."""
+    where = f"custom_reward_function.path {path!r}"
+    if path.startswith("pkg://"):
+        try:
+            module = importlib.import_module(path.removeprefix("pkg://"))
+        except Exception as err:  # noqa: BLE001 - any import failure is the user's file: one clear error
+            raise RewardFunctionError(f"{where} fails to import: {type(err).__name__}: {err}") from None
+    else:
+        file = Path(path.removeprefix("file://")).expanduser().resolve()
+        if not file.is_file():
+            raise RewardFunctionError(f"{where}: no such file. Point it at a Python file that defines {name}.")
+        module = _exec_file(file, where)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RewardFunctionError(
+            f"{where} defines no function {name!r}: define it, or set custom_reward_function.name to the one it has."
+        )
+    return function
+
+
+@cache
+def _exec_file(file: Path, where: str) -> Any:
+    """The module of `file`, executed once per process (registered, so its dataclasses and pickles resolve)."""
+    spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(str(file)))}", file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's file: one clear error
+        del sys.modules[spec.name]
+        raise RewardFunctionError(f"{where} fails to import: {type(err).__name__}: {err}") from None
+    return module
+
+
+def check_score_signature(
+    function: Callable[..., Any], name: str, reward_kwargs: dict[str, Any], path: str = ""
+) -> None:
+    """Raise RewardFunctionError unless `function` takes verl's keywords plus `reward_kwargs`."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: only a call can tell
+        return
+    try:
+        signature.bind(**dict.fromkeys(SCORE_KEYWORDS), **reward_kwargs)
+    except TypeError as err:
+        extra = f" with custom_reward_function.reward_kwargs {sorted(reward_kwargs)}" if reward_kwargs else ""
+        raise RewardFunctionError(
+            f"custom reward function {name}{signature}{f' in {path}' if path else ''} cannot be called as "
+            f"{_CALL}{extra} ({err}). Define it as "
+            f"def {name}(data_source, solution_str, ground_truth, extra_info=None, **kwargs)."
+        ) from None
+
+
+def score_sample(
+    row: dict[str, Any], custom: Callable[..., Any] | None = None, reward_kwargs: dict[str, Any] | None = None
+) -> tuple[float, str | None, str | None]:
+    """(reward, reward_error, reward_extra_info) of one sample: a row with response_text, ground_truth and
+    data_source (and agent_turns, when present, for the custom function's extra_info)."""
+    source = row["data_source"]
+    if custom is None:
+        verifier = VERIFIERS.get(source)
+        if verifier is None:
+            return 0.0, f"no verifier for data_source {source!r}; known: {sorted(VERIFIERS)}", None
+        who = f"verifier {source!r}"
+        value = _call(who, verifier, row["response_text"], row["ground_truth"])
+    else:
+        who = f"custom reward function {getattr(custom, '__name__', 'compute_score')}"
+        call = {
+            "data_source": source,
+            "solution_str": row["response_text"],
+            "ground_truth": row["ground_truth"],
+            "extra_info": {"num_turns": _num_turns(row.get("agent_turns")), "rollout_reward_scores": {}},
+        }
+        value = _call(who, custom, **{**call, **(reward_kwargs or {})})  # verl: the configured keywords win
+    if isinstance(value, _Failed):
+        return 0.0, value.reason, None
+    extra = None
+    if custom is not None and isinstance(value, dict):
+        if "score" not in value:
+            return 0.0, f"{who} returned a dict without a 'score' key: {list(value)}", None
+        extra = json.dumps({k: v for k, v in value.items() if k != "score"}, default=_jsonable)
+        value = value["score"]
+    if isinstance(value, str | bytes) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return 0.0, f"{who} returned {value!r}, not a finite number", extra
+    if custom is None and not 0.0 <= value <= 1.0:
+        return 0.0, f"{who} returned {value!r}, not a float in [0, 1]", None
+    return float(value), None, extra
+
+
+class _Failed:
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _call(who: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The function's value (awaited when it is a coroutine, as verl allows), or _Failed with the reason."""
+    try:
+        value = function(*args, **kwargs)
+        return asyncio.run(value) if inspect.iscoroutine(value) else value
+    except Exception as err:  # noqa: BLE001 - any scorer failure marks the sample, never the run
+        return _Failed(f"{who} raised {type(err).__name__}: {err}"[:2000])
+
+
+def _num_turns(agent_turns: list[dict] | None) -> int:
+    """verl's num_turns: the prompt, each assistant turn and each round of tool results (2 for a single turn)."""
+    if not agent_turns:
+        return 2
+    roles = [t["role"] for t in agent_turns]
+    tool_rounds = sum(1 for i, r in enumerate(roles) if r == "tool" and (i == 0 or roles[i - 1] != "tool"))
+    return 1 + roles.count("assistant") + tool_rounds
+
+
+def _jsonable(value: Any) -> Any:
+    """numpy scalars and arrays as their Python values; anything else JSON cannot hold as its repr."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return repr(value)

@@ -4,7 +4,13 @@ after the merge."""
 
 from __future__ import annotations
 
-from pipeline.config.schema import ConfigError, MultiTurnConfig, RunConfig, monitor_names
+from pipeline.config.schema import (
+    ConfigError,
+    CustomRewardFunctionConfig,
+    MultiTurnConfig,
+    RunConfig,
+    monitor_names,
+)
 from pipeline.config.targets import stage_kwargs
 
 
@@ -47,7 +53,7 @@ def validate(cfg: RunConfig) -> None:
             "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)",
         ),
     ]
-    for ok, message in checks + _correction_checks(cfg) + _megatron_checks(cfg):
+    for ok, message in checks + _correction_checks(cfg) + _megatron_checks(cfg) + _reward_checks(cfg):
         if not ok:
             raise ConfigError(message)
     monitor_names(cfg.trainer.monitor)
@@ -55,6 +61,34 @@ def validate(cfg: RunConfig) -> None:
         stage_kwargs(getattr(cfg.stages, name), f"stages.{name}")
     if "_target_" in cfg.stages.advantage:  # else algorithm.adv_estimator names the class
         stage_kwargs(cfg.stages.advantage, "stages.advantage")
+    _check_custom_reward_function(cfg.custom_reward_function)
+
+
+def _reward_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    spec = cfg.stages.reward
+    if not isinstance(spec, dict) or spec.get("_target_") != "stages.reward.Reward":
+        return []
+    workers, timeout = spec.get("num_workers", 1), spec.get("timeout_s", 1.0)
+    return [
+        (isinstance(workers, int) and workers >= 1, f"stages.reward.num_workers must be >= 1, not {workers}"),
+        (isinstance(timeout, int | float) and timeout > 0, f"stages.reward.timeout_s must be > 0, not {timeout}"),
+    ]
+
+
+def _check_custom_reward_function(crf: CustomRewardFunctionConfig) -> None:
+    """Load the user's reward function now, so that a missing file or function, a file that fails to import, or a
+    signature verl's call does not fit is one error before anything starts (user files are small; verl loads it at
+    start too)."""
+    if not crf.path:
+        return
+    from stages.verifiers import RewardFunctionError, check_score_signature, load_score_function
+
+    if not crf.name:
+        raise ConfigError("custom_reward_function.name is empty: name the function to call (verl: compute_score).")
+    try:
+        check_score_signature(load_score_function(crf.path, crf.name), crf.name, crf.reward_kwargs, crf.path)
+    except RewardFunctionError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _multi_turn_checks(mt: MultiTurnConfig) -> list[tuple[bool, str]]:

@@ -283,6 +283,21 @@ class RayConfig:
     """GPUs each Megatron trainer rank asks Ray for, on a cluster that has GPUs."""
 
 
+@dataclass
+class CustomRewardFunctionConfig:
+    """verl's `custom_reward_function.*`: a user's function scores every sample instead of the built-in verifiers."""
+
+    path: str = ""
+    """Python file defining the function (also `file://<path>`, or `pkg://<module>`); empty: the built-in verifier
+    of each sample's data_source. Loaded and checked when the config loads."""
+    name: str = "compute_score"
+    """The function, called as name(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
+    **reward_kwargs); it returns a number (bool, int, float) or a dict with a 'score' key, whose other keys are
+    logged as the sample's reward_extra_info."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keywords of every call; they win over the ones above, as in verl."""
+
+
 def _stage(target: str) -> Any:
     # Only the target: keyword defaults live in the class, so swapping `_target_` inherits nothing stale.
     return field(default_factory=lambda: {"_target_": target})
@@ -293,7 +308,7 @@ class StagesConfig:
     generate: Any = _stage("stages.generate.VLLMGenerate")
     """Generation stage: class and its constructor keywords."""
     reward: Any = _stage("stages.reward.Reward")
-    """Reward stage."""
+    """Reward stage (its keywords: timeout_s, num_workers; custom_reward_function is wired in)."""
     advantage: Any = field(default_factory=dict)
     """Advantage stage: without a `_target_`, algorithm.adv_estimator's class (stages.advantage.ESTIMATORS) with
     these keywords; a `_target_` here names the class itself and wins over adv_estimator."""
@@ -313,6 +328,8 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """verl's custom reward function (top level, as in verl)."""
     sim: Workload = field(default_factory=Workload)
     """The simulated workload of stages.sim.generate.SimGenerate and trainer.backend=sim (stages/sim/workload.py)."""
     resume: bool = False

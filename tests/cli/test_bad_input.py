@@ -104,3 +104,13 @@ def test_unreachable_tracking_server_fails_at_start(tmp_path):
     msg = one_error(asyncrl("run", f"trainer.mlflow_tracking_uri=http://127.0.0.1:{port}", tmp_path=tmp_path))
     assert "trainer.mlflow_tracking_uri" in msg and f"127.0.0.1:{port}" in msg
     assert time.monotonic() - start < 60  # before the warm start and Ray, without minutes of retries
+
+
+def test_a_reward_function_verl_cannot_call_fails_at_start(tmp_path):
+    user_file = tmp_path / "my_reward.py"
+    user_file.write_text("def compute_score(solution_str, ground_truth):\n    return 1.0\n")
+    start = time.monotonic()
+    msg = one_error(asyncrl("run", f"custom_reward_function.path={user_file}", tmp_path=tmp_path))
+    assert "config error" in msg and "compute_score(solution_str, ground_truth)" in msg and str(user_file) in msg
+    assert "cannot be called as compute_score(data_source=" in msg and "extra_info=None, **kwargs" in msg
+    assert time.monotonic() - start < 30  # from the config check: before the warm start and Ray

@@ -1,17 +1,29 @@
 """Stages called directly on hand-built batches: no Ray."""
 
+import gc
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.config import ConfigError, load_config
 from schemas import SAMPLE_SCHEMA, MissingColumnsError
 from stages import verifiers
 from stages.advantage import GRPOAdvantage
 from stages.reward import Reward
 from stages.sample_log import SampleLog
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def scored(texts: list[str], truth: str = "c b a", source: str = "reverse") -> pa.Table:
@@ -65,6 +77,190 @@ def test_failing_verifier_marks_the_sample_not_the_run(monkeypatch):
 def test_missing_column_is_named():
     with pytest.raises(MissingColumnsError, match=r"Reward needs column\(s\) \['ground_truth'\]"):
         Reward()(scored(["a"]).drop_columns(["ground_truth"]))
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting for a reaper that is not ours counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_block_is_scored_concurrently(monkeypatch):
+    def slow(response: str, truth: str) -> float:
+        time.sleep(1.0)
+        return 1.0
+
+    monkeypatch.setitem(verifiers.VERIFIERS, "slow", slow)
+    batch = scored(["a", "b", "c", "d"], source="slow")
+    took = {}
+    for workers in (1, 4):
+        stage = Reward(num_workers=workers)
+        start = time.monotonic()
+        out = stage(batch)
+        took[workers] = time.monotonic() - start
+        stage.close()
+        assert out["reward"].to_pylist() == [1.0] * 4 and out["reward_error"].null_count == 4
+    # One worker scores the four one after another (4 s); four score them side by side (1 s plus the forks).
+    assert took[4] < 0.5 * took[1], took
+
+
+def test_a_hanging_verifier_is_killed_and_the_next_sample_scores(monkeypatch, tmp_path):
+    def hang(response: str, truth: str) -> float:
+        if response == "hang":
+            (tmp_path / "pid").write_text(str(os.getpid()))
+            time.sleep(3600)
+        return 1.0
+
+    monkeypatch.setitem(verifiers.VERIFIERS, "hang", hang)
+    stage = Reward(timeout_s=0.5, num_workers=1)
+    out = stage(scored(["hang", "fine"], source="hang"))
+    assert out["reward"].to_pylist() == [0.0, 1.0]
+    assert "timed out after 0.5s" in out["reward_error"][0].as_py() and out["reward_error"][1].as_py() is None
+    hung = int((tmp_path / "pid").read_text())
+    assert not alive(hung) and stage.worker_pids() and hung not in stage.worker_pids()
+    survivors = stage.worker_pids()
+    stage.close()
+    assert not any(alive(pid) for pid in survivors + [hung])
+
+
+def test_math_verify_scores_in_workers_of_a_stage_run_off_the_main_thread():
+    # math-verify sets SIGALRM, which only a main thread may: a worker process is its own main thread.
+    batch = scored(["The answer is \\boxed{\\sqrt{4}}", "#### 3"], truth="2", source="openai/gsm8k")
+    stage, out = Reward(), {}
+    thread = threading.Thread(target=lambda: out.update(table=stage(batch)))
+    thread.start()
+    thread.join()
+    stage.close()
+    assert out["table"]["reward"].to_pylist() == [1.0, 0.0] and out["table"]["reward_error"].null_count == 2
+
+
+def test_a_worker_that_dies_marks_its_sample(monkeypatch):
+    monkeypatch.setitem(verifiers.VERIFIERS, "exit", lambda r, t: os._exit(3) if r == "die" else 1.0)
+    stage = Reward(num_workers=1)
+    out = stage(scored(["die", "fine"], source="exit"))
+    assert out["reward"].to_pylist() == [0.0, 1.0]
+    assert "scoring process died (exit code 3)" in out["reward_error"][0].as_py()
+    stage.close()
+
+
+def test_workers_die_with_their_parent():
+    # A parent killed mid-block (SIGKILL: no cleanup of its own) takes its workers along, the hung one included.
+    script = (
+        "import time\n"
+        "from stages import verifiers\n"
+        "from stages.reward import Reward\n"
+        "from tests.unit.test_stages import scored\n"
+        "verifiers.VERIFIERS['hang'] = lambda r, t: time.sleep(3600)\n"
+        "stage = Reward(timeout_s=600)\n"
+        "stage(scored(['c b a']))\n"
+        "print(*stage.worker_pids(), flush=True)\n"
+        "stage(scored(['x'], source='hang'))\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    time.sleep(0.5)  # one worker is now in the hanging verifier, the other waits for work
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+
+
+def test_the_stage_pickles_without_its_workers():
+    stage = Reward()
+    stage(scored(["c b a"]))
+    copy = pickle.loads(pickle.dumps(stage))  # as Ray Data ships it to a task
+    assert copy.worker_pids() == [] and copy(scored(["c b a"]))["reward"].to_pylist() == [1.0]
+    assert set(copy.worker_pids()).isdisjoint(stage.worker_pids())
+    pids = stage.worker_pids() + copy.worker_pids()
+    del stage, copy
+    gc.collect()
+    assert not any(alive(p) for p in pids)  # collected stages end their workers
+
+
+CUSTOM = """
+import math
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    if solution_str == "boom":
+        raise ValueError("no answer")
+    special = {"nan": math.nan, "inf": math.inf, "text": "1", "no score": {"acc": 1.0}, "true": True}
+    if solution_str in special:
+        return special[solution_str]
+    right = solution_str == ground_truth
+    return {"score": float(right) + bonus, "acc": right, "source": data_source, "turns": extra_info["num_turns"]}
+"""
+
+
+def test_a_custom_function_scores_every_sample(tmp_path):
+    (tmp_path / "my_reward.py").write_text(CUSTOM)
+    stage = Reward(custom_path=str(tmp_path / "my_reward.py"), reward_kwargs={"bonus": 0.5})
+    # verl semantics: the custom function replaces the routing by data_source (no verifier is named "mine")
+    out = stage(scored(["c b a", "x", "true"], source="mine"))
+    stage.close()
+    assert out["reward"].to_pylist() == [1.5, 0.5, 1.0]  # no [0, 1] range for custom functions, as in verl
+    assert out["reward_error"].null_count == 3
+    extras = out["reward_extra_info"].to_pylist()
+    assert json.loads(extras[0]) == {"acc": True, "source": "mine", "turns": 2}  # 2 turns: prompt and response
+    assert json.loads(extras[1])["acc"] is False and extras[2] is None  # a number, not a dict: no extra info
+
+
+def test_a_custom_function_failing_marks_only_its_sample(tmp_path):
+    (tmp_path / "my_reward.py").write_text(CUSTOM)
+    stage = Reward(custom_path=f"file://{tmp_path}/my_reward.py")
+    out = stage(scored(["boom", "nan", "inf", "text", "no score", "c b a"]))
+    stage.close()
+    assert out["reward"].to_pylist() == [0.0] * 5 + [1.0]
+    errors = out["reward_error"].to_pylist()
+    assert "compute_score raised ValueError: no answer" in errors[0]
+    assert all("not a finite number" in e for e in errors[1:4])
+    assert "without a 'score' key" in errors[4] and errors[5] is None
+
+
+def test_an_unloadable_custom_function_marks_every_sample(tmp_path):
+    out = Reward(custom_path=str(tmp_path / "missing.py"))(scored(["c b a", "x"]))
+    assert out["reward"].to_pylist() == [0.0, 0.0]
+    assert all("no such file" in e for e in out["reward_error"].to_pylist())
+
+
+@pytest.mark.parametrize(
+    ("source", "overrides", "message"),
+    [
+        ("def compute_score(solution_str, ground_truth):\n    return 1.0\n", [], "cannot be called as"),
+        (
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n",
+            ["custom_reward_function.reward_kwargs.scale=2"],
+            "reward_kwargs ['scale']",
+        ),
+        ("def score(**kwargs):\n    return 1.0\n", [], "defines no function 'compute_score'"),
+        ("import no_such_module\n", [], "fails to import: ModuleNotFoundError"),
+        (
+            "def compute_score(**kwargs):\n    return 1.0\n",
+            ["custom_reward_function.name=other"],
+            "no function 'other'",
+        ),
+    ],
+)
+def test_load_config_refuses_a_bad_custom_function(tmp_path, source, overrides, message):
+    (tmp_path / "my_reward.py").write_text(source)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [f"custom_reward_function.path={tmp_path}/my_reward.py", *overrides])
+
+
+def test_load_config_takes_a_good_custom_function(tmp_path):
+    (tmp_path / "my_reward.py").write_text(CUSTOM)
+    cfg = load_config(
+        None, [f"custom_reward_function.path={tmp_path}/my_reward.py", "custom_reward_function.reward_kwargs.bonus=1"]
+    )
+    assert cfg.custom_reward_function.name == "compute_score" and cfg.custom_reward_function.reward_kwargs == {
+        "bonus": 1
+    }
 
 
 def test_grpo_advantage_by_hand():
