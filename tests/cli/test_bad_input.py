@@ -48,10 +48,11 @@ def test_config_typo_names_the_nearest_key(tmp_path):
 
 
 def test_missing_data_file(tmp_path):
-    msg = one_error(
-        asyncrl("run", f"data.train_files={tmp_path}/nope.parquet", "model.warm_start_steps=0", tmp_path=tmp_path)
-    )
+    # With the embedded model's default warm start: the file is checked before that is spent, and before Ray.
+    result = asyncrl("run", f"data.train_files={tmp_path}/nope.parquet", tmp_path=tmp_path)
+    msg = one_error(result)
     assert "nope.parquet does not exist" in msg and "data.train_files" in msg
+    assert "warm start" not in result.stdout and "Started a local Ray" not in result.stderr
 
 
 def test_missing_column_names_column_and_file(tmp_path):
