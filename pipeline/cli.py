@@ -48,10 +48,17 @@ def _run(items: list[str]) -> int:
     except ConfigError as err:
         print(f"asyncrl: config error: {err}", file=sys.stderr)
         return 2
+    from pipeline.finish import RunInterrupted
     from pipeline.run import run
 
     try:
         summary = run(cfg)
+    except RunInterrupted as err:
+        print(f"asyncrl: {err}", file=sys.stderr)
+        return 130  # the shell's code for a run ended by SIGINT
+    except KeyboardInterrupt:
+        print("asyncrl: interrupted while starting, before the first step; nothing was trained", file=sys.stderr)
+        return 130
     except ConfigError as err:  # found at start-up: an unreachable tracking URI, lengths beyond the model's
         print(f"asyncrl: config error: {err}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """The end of a run: the gate's ledger to disk, the stream stopped, the logs audited, the summary printed and
-handed to the monitor."""
+handed to the monitor; or, when the user interrupts it, what was done and how to go on."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from pipeline import checkpoint
 from pipeline.observe.audit import audit
 from pipeline.observe.summary import format_summary, summarize
 from pipeline.stream import wait_for_executors
@@ -44,5 +45,37 @@ def finish_run(ctx, clock, sink) -> dict[str, Any]:
     (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary, report), flush=True)
     ctx.monitor.log_artifacts([ctx.run_dir / "summary.json", ctx.run_dir / "audit.txt"])
-    ctx.monitor.close(ok=True)
+    ctx.monitor.close("FINISHED")
     return summary
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The user stopped the run (Ctrl-C); the message says where it stopped and how to go on."""
+
+
+def interrupted(ctx) -> RunInterrupted:
+    """Ctrl-C: write what was done to summary.json, end the monitor's run as KILLED, and say how to resume."""
+    rows = [json.loads(line) for line in (ctx.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = rows[-1] if rows else {}
+    try:
+        ckpt = checkpoint.latest(ctx.checkpoint_root)
+    except checkpoint.ResumeError:
+        ckpt = None
+    summary = {
+        "run_dir": str(ctx.run_dir),
+        "interrupted": True,
+        "steps": len(rows),
+        "last_step": int(last.get("step", 0)),
+        "version": int(last.get("trainer/version", ctx.start_version)),
+        "reward_last": last.get("reward/mean"),
+        "resumable_from_step": ckpt.step if ckpt else None,
+    }
+    (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    ctx.monitor.log_artifacts([ctx.run_dir / "summary.json"])
+    ctx.monitor.close("KILLED")
+    where = f"interrupted at step {summary['last_step']} (version {summary['version']}); {ctx.run_dir}/summary.json"
+    if ckpt is None:
+        how = "no checkpoint to resume from: set trainer.save_freq (a multiple of trigger_parameter_sync_step)"
+    else:
+        how = f"resume from step {ckpt.step} with resume=true trainer.run_name={ctx.run_dir.name}"
+    return RunInterrupted(f"{where}; {how}")

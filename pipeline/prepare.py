@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import ray
@@ -20,6 +21,7 @@ from pipeline.checkpoint import Checkpoint
 from pipeline.clock import VersionClock
 from pipeline.config import ConfigError, RunConfig, to_yaml
 from pipeline.observe.monitor import Monitor, make_monitor
+from pipeline.stream import wait_for_executors
 from pipeline.tasks.source import PromptDataError, admission_blocks, load_prompts
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
@@ -38,6 +40,7 @@ class RunContext:
     resumed: Checkpoint | None = None  # the checkpoint this attempt continues from
     optimizer_state: Path | None = None
     val_prompts: pa.Table | None = None  # held-out prompts (pipeline/validate.py)
+    stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
 
     @property
     def start_step(self) -> int:
@@ -116,11 +119,16 @@ class RunContext:
             ray.shutdown()
 
     def shutdown(self) -> None:
-        """Stop Ray; a monitor still open here means the run did not reach its summary: mark it failed."""
+        """Stop the stream, then Ray; a monitor still open here means the run did not reach its summary: mark it
+        failed. The stream goes first: Ray Data's iterator, closed after ray.shutdown() (by the garbage collector),
+        calls into Ray from the driver's threads, which ends the process or hangs it."""
         try:
+            if self.stream is not None and ray.is_initialized():
+                self.stream.close()
+                wait_for_executors(timeout_s=20.0)
             self.stop_ray()
         finally:
-            self.monitor.close(ok=False)
+            self.monitor.close("FAILED")
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
@@ -231,6 +239,7 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address:
         ray.init(address=address, runtime_env={"env_vars": _not_set_by_job(env_vars)}, log_to_driver=False)
+        _no_second_ray()
         return False
     _keep_ray_on_loopback()
     ray.init(
@@ -242,7 +251,18 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
         log_to_driver=os.environ.get("ASYNCRL_WORKER_LOGS") == "1",
         _temp_dir=os.environ.get("ASYNCRL_RAY_TMP"),
     )
+    _no_second_ray()
     return True
+
+
+def _no_second_ray() -> None:
+    """A Ray call in this process after the run's ray.shutdown() (a late library thread, a finaliser) would start a
+    fresh local Ray by itself and could hang the exit; with auto-connect off it raises instead. Ray reads the switch
+    from the environment at import, so the module's flag is set too."""
+    from ray._private import auto_init_hook
+
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    auto_init_hook.enable_auto_connect = False
 
 
 def _not_set_by_job(env_vars: dict[str, str]) -> dict[str, str]:
@@ -299,7 +319,7 @@ def prepare(cfg: RunConfig) -> RunContext:
             warm_start_embedded(cfg, model_dir, run_dir)
         started = start_ray(cfg, run_dir)
     except BaseException:
-        monitor.close(ok=False)
+        monitor.close("FAILED")
         raise
     ctx = RunContext(cfg, run_dir, model_dir, blocks, f"asyncrl-{run_dir.name}", monitor, started_ray=started)
     ctx.resumed, ctx.optimizer_state, ctx.val_prompts = resumed, optimizer_state, val_prompts

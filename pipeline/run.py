@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from pipeline import checkpoint, sync
 from pipeline.config import RunConfig
-from pipeline.finish import finish_run
+from pipeline.finish import finish_run, interrupted
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import RunContext, prepare
 from pipeline.stream import build_stream, configure_data_context, step_transform
@@ -27,6 +27,8 @@ def run(cfg: RunConfig) -> dict:
     ctx: RunContext = prepare(cfg)  # run dir, monitor, model (embedded + warm start), validated prompts, Ray
     try:
         return _loop(cfg, ctx)
+    except KeyboardInterrupt:
+        raise interrupted(ctx) from None  # what was done, the monitor's run KILLED, how to resume
     finally:
         ctx.shutdown()  # also on errors: a Ray we started must not outlive the run, the monitor marks it failed
 
@@ -46,6 +48,7 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         lambda v: ray.get(clock.outstanding_at_or_before.remote(v)),
         step_transform(cfg),  # reinforce_plus_plus*: whitened over the step, as verl does over its batch
     )
+    ctx.stream = sink  # closed before Ray stops, whatever ends the run
     monitor = ctx.monitor
     total_steps, k = cfg.rollout.total_rollout_steps // budget.required_samples, at.trigger_parameter_sync_step
     print(

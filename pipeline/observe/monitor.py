@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from omegaconf import OmegaConf
 
@@ -29,13 +29,16 @@ MAX_PARAM_CHARS = 6000
 PARAMS_PER_BATCH = 100
 
 
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]  # MLflow's names for how a run ended
+
+
 class Monitor(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def log_artifacts(self, paths: Iterable[Path]) -> None: ...
 
-    def close(self, ok: bool) -> None:
-        """End the run: `ok` False marks it failed. Closing twice is a no-op."""
+    def close(self, status: RunStatus) -> None:
+        """End the run as FINISHED, FAILED or KILLED (interrupted by the user). Closing twice is a no-op."""
 
 
 class JsonlMonitor:
@@ -51,7 +54,7 @@ class JsonlMonitor:
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         pass  # the files already live in the run directory
 
-    def close(self, ok: bool) -> None:
+    def close(self, status: RunStatus) -> None:
         self.file.close()
 
 
@@ -113,11 +116,11 @@ class MlflowMonitor:
             if Path(path).exists():
                 self._tolerant(Path(path).name, self.client.log_artifact, self.run_id, str(path))
 
-    def close(self, ok: bool) -> None:
+    def close(self, status: RunStatus) -> None:
         if self.closed:
             return
         self.closed = True
-        self._tolerant("end of run", self.client.set_terminated, self.run_id, "FINISHED" if ok else "FAILED")
+        self._tolerant("end of run", self.client.set_terminated, self.run_id, status)
         if self.failures:
             print(f"asyncrl: {self.failures} MLflow call(s) failed in this run; metrics.jsonl is complete", flush=True)
 
@@ -150,9 +153,9 @@ class Monitors:
         for m in self.monitors:
             m.log_artifacts(paths)
 
-    def close(self, ok: bool) -> None:
+    def close(self, status: RunStatus) -> None:
         for m in self.monitors:
-            m.close(ok)
+            m.close(status)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:

@@ -27,7 +27,7 @@ def log_a_run(uri: str, params: dict[str, str], tmp_path: Path) -> MlflowMonitor
         monitor.log({"reward/mean": step / 10, "timing/train_s": 1.0}, step)
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 3}))
     monitor.log_artifacts([tmp_path / "summary.json"])
-    monitor.close(ok=True)
+    monitor.close("FINISHED")
     return monitor
 
 
@@ -54,8 +54,8 @@ def test_sqlite_store_params_metrics_artifacts(tmp_path):
 def test_failed_run_is_marked_failed(tmp_path):
     uri = sqlite_uri(tmp_path)
     monitor = MlflowMonitor(uri, "unit", "r", {}, {})
-    monitor.close(ok=False)
-    monitor.close(ok=True)  # a second close changes nothing
+    monitor.close("FAILED")
+    monitor.close("FINISHED")  # a second close changes nothing
     assert MlflowClient(tracking_uri=uri).get_run(monitor.run_id).info.status == "FAILED"
 
 
@@ -66,7 +66,7 @@ def test_logging_error_warns_once_and_training_goes_on(tmp_path, capsys):
     MlflowClient(tracking_uri=uri).delete_run(monitor.run_id)  # e.g. deleted from the UI mid-run
     for step in range(2, 6):
         monitor.log({"reward/mean": 0.5}, step)  # must not raise
-    monitor.close(ok=True)
+    monitor.close("FINISHED")
     err = capsys.readouterr().err
     assert err.count("MLflow logging failed") == 1 and "step 2" in err
     assert monitor.failures == 5  # four steps and the end of the run
@@ -91,7 +91,7 @@ def test_default_store_lives_in_the_run_dir(tmp_path, monkeypatch):
     cfg = load_config(None, ["trainer.run_name=r", "async_training.staleness_threshold=0.25"])
     monitor = make_monitor(cfg, run_dir)
     monitor.log({"reward/mean": 1.0}, 1)
-    monitor.close(ok=True)
+    monitor.close("FINISHED")
 
     assert json.loads((run_dir / "metrics.jsonl").read_text()) == {"step": 1, "reward/mean": 1.0}
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
@@ -106,7 +106,7 @@ def test_default_store_lives_in_the_run_dir(tmp_path, monkeypatch):
 def test_jsonl_only_needs_no_mlflow_store(tmp_path):
     monitor = make_monitor(load_config(None, ["trainer.monitor=jsonl"]), tmp_path)
     monitor.log({"reward/mean": 1.0}, 1)
-    monitor.close(ok=True)
+    monitor.close("FINISHED")
     assert (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "mlflow").exists()
 
 
