@@ -48,7 +48,7 @@ def _run(items: list[str]) -> int:
     except ConfigError as err:
         print(f"asyncrl: config error: {err}", file=sys.stderr)
         return 2
-    from pipeline.finish import RunInterrupted
+    from pipeline.finish import RunFailed, RunInterrupted
     from pipeline.run import run
 
     try:
@@ -65,6 +65,9 @@ def _run(items: list[str]) -> int:
     except (PromptDataError, ResumeError, FileNotFoundError) as err:
         print(f"asyncrl: input error: {err}", file=sys.stderr)
         return 2
+    except RunFailed as err:
+        print(f"asyncrl: run failed: {err}", file=sys.stderr)
+        return 1
     return 0 if summary["audit_ok"] else 1
 
 

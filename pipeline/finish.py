@@ -3,7 +3,9 @@ handed to the monitor; or, when the user interrupts it, what was done and how to
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from typing import Any
 
 import pyarrow as pa
@@ -12,6 +14,7 @@ import ray
 
 from pipeline import checkpoint
 from pipeline.observe.audit import audit
+from pipeline.observe.faults import FaultLog
 from pipeline.observe.summary import format_summary, summarize
 from pipeline.stream import wait_for_executors
 from schemas import ADMITTED_SCHEMA
@@ -47,6 +50,48 @@ def finish_run(ctx, clock, sink) -> dict[str, Any]:
     ctx.monitor.log_artifacts([ctx.run_dir / "summary.json", ctx.run_dir / "audit.txt"])
     ctx.monitor.close("FINISHED")
     return summary
+
+
+class RunFailed(RuntimeError):
+    """A part of the run died and the run cannot go on; the message names it and what to do."""
+
+
+def trainer_death(err: BaseException, trainer) -> str | None:
+    """What died, if `err` says the trainer actor (or, through its calls, one of its ranks) died; else None."""
+    if trainer is None:
+        return None
+    if isinstance(err, ray.exceptions.RayActorError) and err.actor_id == trainer._actor_id.hex():
+        return "the trainer actor died"
+    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ray.exceptions.RayActorError):
+        return f"a trainer rank died ({type(err.cause).__name__})"
+    return None
+
+
+def restart_from_checkpoint(ctx, cause: str, restarts: int):
+    """The config of the next attempt, which resumes this run directory from its latest checkpoint (as resume=true
+    would); RunFailed unless it can: checkpoints on, one written, and `trainer.max_restarts` not spent."""
+    t = ctx.cfg.trainer
+    if t.save_freq <= 0:
+        raise RunFailed(
+            f"{cause} and this run keeps no checkpoint to restart it from: set trainer.save_freq (a multiple of "
+            "trigger_parameter_sync_step) and the run restarts its trainer from the latest checkpoint by itself "
+            "(trainer.max_restarts), or can be resumed with resume=true"
+        )
+    try:
+        ckpt = checkpoint.latest(ctx.checkpoint_root)
+    except checkpoint.ResumeError:
+        raise RunFailed(f"{cause} before the first checkpoint (trainer.save_freq={t.save_freq}): start again") from None
+    if restarts >= t.max_restarts:
+        raise RunFailed(
+            f"{cause}; the trainer was already restarted {restarts} times (trainer.max_restarts={t.max_restarts}). "
+            f"Resume from step {ckpt.step} with resume=true trainer.run_name={ctx.run_dir.name}"
+        )
+    FaultLog(ctx.run_dir).write({"component": "trainer", "time": time.time(), "cause": cause, "from_step": ckpt.step})
+    return dataclasses.replace(
+        ctx.cfg,
+        resume=True,
+        trainer=dataclasses.replace(t, run_name=ctx.run_dir.name, output_dir=str(ctx.run_dir.parent)),
+    )
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -41,6 +41,8 @@ class RunContext:
     optimizer_state: Path | None = None
     val_prompts: pa.Table | None = None  # held-out prompts (pipeline/validate.py)
     stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
+    clock: Any = None  # the actors this attempt started, ended with it on a cluster that outlives the run
+    trainer: Any = None
 
     @property
     def start_step(self) -> int:
@@ -59,9 +61,15 @@ class RunContext:
         clock = (
             ray.remote(VersionClock)
             .options(name=name, namespace=self.namespace, num_cpus=0, max_concurrency=1000)
-            .remote(budget, self.cfg.rollout.num_replicas, self.start_version, self._prior_admissions())
+            .remote(
+                budget,
+                self.cfg.rollout.num_replicas,
+                self.start_version,
+                self._prior_admissions(),
+                self.cfg.rollout.engine_max_restarts,
+            )
         )
-        self.clock_handle = (name, self.namespace)
+        self.clock_handle, self.clock = (name, self.namespace), clock
         return clock
 
     def _prior_admissions(self) -> list[tuple[str, int, float]]:
@@ -117,6 +125,10 @@ class RunContext:
     def stop_ray(self) -> None:
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
+        elif ray.is_initialized():  # a cluster that goes on: end what this attempt started (a restart reuses names)
+            for actor in (self.trainer, self.clock):
+                if actor is not None:
+                    ray.kill(actor)
 
     def shutdown(self) -> None:
         """Stop the stream, then Ray; a monitor still open here means the run did not reach its summary: mark it

@@ -7,6 +7,7 @@ trainer only ever waits for data (trainer/idle_ratio) and the engines only ever 
 
 from __future__ import annotations
 
+import os
 import time
 
 import ray
@@ -14,7 +15,8 @@ from tqdm import tqdm
 
 from pipeline import checkpoint, sync
 from pipeline.config import RunConfig
-from pipeline.finish import finish_run, interrupted
+from pipeline.finish import finish_run, interrupted, restart_from_checkpoint, trainer_death
+from pipeline.observe.faults import FaultLog
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import RunContext, prepare
 from pipeline.stream import build_stream, configure_data_context, step_transform
@@ -24,20 +26,28 @@ from stages.staleness import StalenessBudget, mode_name
 
 
 def run(cfg: RunConfig) -> dict:
-    ctx: RunContext = prepare(cfg)  # run dir, monitor, model (embedded + warm start), validated prompts, Ray
-    try:
-        return _loop(cfg, ctx)
-    except KeyboardInterrupt:
-        raise interrupted(ctx) from None  # what was done, the monitor's run KILLED, how to resume
-    finally:
-        ctx.shutdown()  # also on errors: a Ray we started must not outlive the run, the monitor marks it failed
+    restarts = 0
+    while True:
+        ctx: RunContext = prepare(cfg)  # run dir, monitor, model (embedded + warm start), validated prompts, Ray
+        try:
+            return _loop(cfg, ctx, restarts)
+        except KeyboardInterrupt:
+            raise interrupted(ctx) from None  # what was done, the monitor's run KILLED, how to resume
+        except Exception as err:
+            cause = trainer_death(err, ctx.trainer)
+            if cause is None:
+                raise
+            cfg = restart_from_checkpoint(ctx, cause, restarts)  # resume=true in this run dir, or RunFailed
+            restarts += 1
+        finally:
+            ctx.shutdown()  # also on errors: a Ray we started must not outlive the run, the monitor marks it failed
 
 
-def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
+def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
     at = cfg.async_training
     budget = StalenessBudget.from_config(cfg)
     clock = ctx.start_clock(budget)
-    trainer = ctx.start_trainer()
+    trainer = ctx.trainer = ctx.start_trainer()
     configure_data_context(cfg.ray.no_progress_timeout_s)
     stream = build_stream(cfg, ctx.blocks, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle, ctx.start_version)
     sink = TrainingSink(
@@ -57,6 +67,7 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
         flush=True,
     )
     version, started, counters = ctx.start_version, time.monotonic(), FullyAsyncCounters()
+    faults = FaultLog(ctx.run_dir, restarts, ray.get(trainer.__ray_call__.remote(lambda _: os.getpid())))
     syncer = sync.make_syncer(cfg, trainer, clock, ctx.run_dir)  # push (verl) or pull (a parameter store)
     validator = make_validator(cfg, ctx, clock, trainer)  # held-out prompts at sync points
     if cfg.trainer.val_before_train:
@@ -81,6 +92,7 @@ def _loop(cfg: RunConfig, ctx: RunContext) -> dict:
                 )
             )
             metrics.update(counters.update(batch.table, version))
+            metrics.update(faults.update(ray.get(clock.faults.remote(faults.seen))))
             if step % k == 0:
                 version += 1
                 metrics.update(syncer.sync(version))

@@ -152,6 +152,9 @@ def build_stream(
         batch_size=None,
         batch_format="pyarrow",
         num_cpus=0.1,
+        # Not restarted: a retried call would ask the clock again for prompts it already admitted. A dead gate ends
+        # the run (resume it); and Ray then has no restart to warn about (its "constructor arguments" error line).
+        max_restarts=0,
         # Two calls queued at the one gate actor, which runs them one at a time and in order: the next block waits
         # at the actor instead of in the next round of Ray Data's scheduling loop (about 0.2 s per block on 2 cores).
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2),
@@ -163,6 +166,9 @@ def build_stream(
         batch_format="pyarrow",
         num_cpus=1,
         num_gpus=engine_gpus(cfg, ray.cluster_resources().get("GPU", 0)),
+        # Ray restarts a replica whose process died and retries its calls there (Ray Data's default, -1: the clock
+        # enforces rollout.engine_max_restarts); 0 makes a dead replica end the run.
+        max_restarts=-1 if ro.engine_max_restarts > 0 else 0,
         # Both limits: Ray Data sends calls_in_flight calls to a replica, and the replica's actor runs them at once
         # (an actor runs one call at a time unless told otherwise, even with an async __call__).
         compute=ActorPoolStrategy(

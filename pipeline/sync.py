@@ -33,61 +33,120 @@ from stages.engine_busy import idle_ratio
 TIMEOUT_S = 600.0
 
 
-def connect(trainer, clock, num_replicas: int) -> None:
-    """Form the private weight-sync group: trainer rank 0, replica r at rank r + 1."""
-    joined = ray.get(clock.wait_replicas.remote(TIMEOUT_S))
-    if joined < num_replicas:
-        raise RuntimeError(f"only {joined} of {num_replicas} Generate replicas started within {TIMEOUT_S}s")
-    group = ray.get(trainer.open_weight_sync.remote(num_replicas + 1))
-    seq = ray.get(clock.post.remote({"kind": "init_group", "world_size": num_replicas + 1, **group}))
+def connect(trainer, clock, members: list[int]) -> None:
+    """Form the private weight-sync group of the trainer (rank 0) and the replicas `members` (ranks 1..), the
+    group before it, if any, closed on both sides."""
+    ranks = {r: i + 1 for i, r in enumerate(members)}
+    group = ray.get(trainer.open_weight_sync.remote(len(members) + 1))
+    message = {"kind": "init_group", "world_size": len(members) + 1, "ranks": ranks, **group}
+    seq = ray.get(clock.post.remote(message, members))
     ray.get(trainer.wait_weight_sync.remote())
     ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))
 
 
-def push(trainer, clock, version: int) -> dict[str, float]:
-    """Push the trainer's weights as `version`; returns sync metrics."""
-    start = time.monotonic()
+def push(trainer, clock, version: int, members: list[int]) -> tuple[list[dict], dict] | None:
+    """Broadcast the trainer's weights as `version` to `members` (admission paused by the caller): their
+    acknowledgements and the trainer's numbers, or None if the broadcast failed (a replica died during it)."""
     meta = ray.get(trainer.weight_meta.remote())
-    ray.get(clock.pause_admission.remote())
-    seq = ray.get(clock.post.remote({"kind": "sync", "version": version, **meta}))
-    sent = ray.get(trainer.push_weights.remote())
+    seq = ray.get(clock.post.remote({"kind": "sync", "version": version, **meta}, members))
+    try:
+        sent = ray.get(trainer.push_weights.remote())
+    except ray.exceptions.RayTaskError as err:  # the trainer is alive; its broadcast was cut short
+        print(f"asyncrl: the weight push of version {version} failed ({err.cause!r}); forming the group again")
+        ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))  # the survivors' receives end with the closed group
+        return None
     acks = ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))
-    ray.get(clock.finish_sync.remote(version))
-    blocked = time.monotonic() - start
+    return None if any("failed" in a for a in acks) else (acks, sent)
+
+
+def sync_metrics(acks: list[dict], sent: dict[str, float]) -> dict[str, float]:
+    loads = [a for a in acks if "pause_s" in a]
+    if not loads:  # every replica died during the sync: they load the snapshot when they are back
+        return dict(sent)
     return {
         **sent,
-        "sync/latency_s": blocked,
-        "sync/trainer_blocked_s": blocked,
-        "sync/engine_paused_s": max(a["pause_s"] + a["transfer_s"] + a["resume_s"] for a in acks),
-        "sync/pause_s": max(a["pause_s"] for a in acks),
-        "sync/transfer_s": max(a["transfer_s"] for a in acks),
-        "sync/resume_s": max(a["resume_s"] for a in acks),
-        "rollouter/idle_ratio": idle_ratio(acks),  # over the window since the previous sync, every engine
+        "sync/engine_paused_s": max(a["pause_s"] + a["transfer_s"] + a["resume_s"] for a in loads),
+        "sync/pause_s": max(a["pause_s"] for a in loads),
+        "sync/transfer_s": max(a["transfer_s"] for a in loads),
+        "sync/resume_s": max(a["resume_s"] for a in loads),
+        "rollouter/idle_ratio": idle_ratio(loads),  # over the window since the previous sync, every engine
     }
 
 
 class Push:
-    """verl's push: the first sync also forms the broadcast group (the replicas exist once the stream runs)."""
+    """verl's push, to whichever replicas are alive: the group is formed at the first sync (the replicas exist once
+    the stream runs) and again whenever a replica was restarted. With `snapshots`, each pushed version is also
+    written to the store, for a restarted replica to load (the trainer's weights have moved on by then)."""
 
-    def __init__(self, trainer, clock, num_replicas: int, run_dir: Path) -> None:
-        self.trainer, self.clock, self.num_replicas, self.connected = trainer, clock, num_replicas, False
+    def __init__(self, trainer, clock, num_replicas: int, run_dir: Path, snapshots: str = "") -> None:
+        self.trainer, self.clock, self.num_replicas = trainer, clock, num_replicas
+        self.group: dict[int, int] = {}  # the group's replicas: index -> generation
+        self.started = False
         self.log = Path(run_dir) / "weight_loads.jsonl"
+        self.snapshots = Snapshots(snapshots) if snapshots else None
+
+    def connect(self) -> None:
+        """Form the group with the live replicas (at the first sync: once every replica has started)."""
+        if not self.started:
+            joined = ray.get(self.clock.wait_replicas.remote(TIMEOUT_S))
+            if joined < self.num_replicas:
+                raise RuntimeError(f"only {joined} of {self.num_replicas} Generate replicas started in {TIMEOUT_S}s")
+            self.started = True
+        members = ray.get(self.clock.members.remote())
+        if members != self.group:
+            connect(self.trainer, self.clock, sorted(members))
+            self.group = members
 
     def sync(self, version: int) -> dict[str, float]:
-        if not self.connected:
-            connect(self.trainer, self.clock, self.num_replicas)
-            self.connected = True
-        metrics = push(self.trainer, self.clock, version)
-        _log_loads(
-            self.log, [{"replica": r, "version": version, "loaded_at": time.time()} for r in range(self.num_replicas)]
-        )
+        start = time.monotonic()
+        ray.get(self.clock.pause_admission.remote())
+        for _ in range(self.num_replicas + 1):  # each retry follows a replica's death
+            self.connect()
+            result = push(self.trainer, self.clock, version, sorted(self.group))
+            if result is not None:
+                break
+            self.group = {}  # closed by the failed push: form it again with the survivors
+        else:
+            raise RuntimeError(f"the weight push of version {version} failed {self.num_replicas + 1} times")
+        acks, sent = result
+        metrics = sync_metrics(acks, sent)
+        snapshot = self.snapshots.write(self.trainer, version, metrics) if self.snapshots else None
+        ray.get(self.clock.finish_sync.remote(version, snapshot))
+        metrics["sync/latency_s"] = metrics["sync/trainer_blocked_s"] = time.monotonic() - start
+        _log_loads(self.log, [{"replica": a["replica"], "version": version, "loaded_at": time.time()} for a in acks])
         return metrics
 
     def collect(self, wait: bool = False) -> dict[str, float]:
         return {}
 
     def close(self) -> None:
-        pass
+        if self.snapshots:
+            self.snapshots.close()
+
+
+class Snapshots:
+    """Push mode's copies of the pushed versions in the store, the newest two kept: what a replica restarted
+    between two syncs loads."""
+
+    def __init__(self, root: str) -> None:
+        self.root, self.written = root, []
+
+    def write(self, trainer, version: int, metrics: dict[str, float]) -> str:
+        start = time.monotonic()
+        url = f"{self.root}/snapshot-{version:06d}.safetensors"
+        ray.get(trainer.publish_weights.remote(url))
+        self.written.append(url)
+        fs, _ = fsspec.core.url_to_fs(url)
+        while len(self.written) > 2:  # a replica may be loading the one before
+            old = self.written.pop(0)
+            if fs.exists(old):
+                fs.rm(old)
+        metrics["sync/snapshot_s"] = time.monotonic() - start
+        return url
+
+    def close(self) -> None:
+        if self.root.startswith("/dev/shm/"):
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 class Pull:
@@ -148,7 +207,9 @@ def store_root(store: str, run_dir: Path) -> str:
 def make_syncer(cfg, trainer, clock, run_dir: Path) -> Push | Pull:
     if cfg.weight_sync.mode == "pull":
         return Pull(trainer, clock, cfg.weight_sync.store, run_dir)
-    return Push(trainer, clock, cfg.rollout.num_replicas, run_dir)
+    # A restarted replica needs the current version's weights, which only the store can give it in push mode.
+    snapshots = store_root(cfg.weight_sync.store, run_dir) if cfg.rollout.engine_max_restarts > 0 else ""
+    return Push(trainer, clock, cfg.rollout.num_replicas, run_dir, snapshots)
 
 
 def _log_loads(path: Path, loads: list[dict]) -> None:

@@ -75,7 +75,6 @@ class Validator:
         self.clock, self.prompts, self.test_freq = clock, prompts, ro.test_freq
         self.kwargs = {
             **dataclasses.asdict(ro.val_kwargs),
-            "replicas": ro.num_replicas,
             "parallel": cfg.async_training.parallel_validate_and_rollout,
         }
         self.engine, self.trainer = engine, trainer
@@ -120,7 +119,7 @@ class Validator:
             if acks is None:
                 break
             self.pending.pop(0)
-            metrics = self._finish(version, [row for ack in acks for row in ack["samples"]])
+            metrics = self._finish(version, [row for ack in acks for row in ack.get("samples", [])])
             if self.engine is not None:
                 _remove(f"{self.store}/version-{version:06d}.safetensors")
         return metrics

@@ -93,7 +93,8 @@ class VLLMGenerate:
         from transformers import AutoTokenizer
 
         self.clock = None if validation_only else ray.get_actor(clock_name, namespace=namespace)
-        self.replica = VALIDATION_REPLICA if validation_only else ray.get(self.clock.register_replica.remote())
+        actor_id = "" if validation_only else ray.get_runtime_context().get_actor_id() or ""
+        self.replica = VALIDATION_REPLICA if validation_only else ray.get(self.clock.reserve_replica.remote(actor_id))
         self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
         self.eos = _eos_token_id(model_dir)
         if pause_mode not in ("wait", "abort", "keep"):
@@ -114,7 +115,28 @@ class VLLMGenerate:
         self.engine = self._run(self._start_engine(engine_kwargs, initial_version))
         self.busy = EngineBusy()  # rollouter/idle_ratio: touched only on the engine loop
         if not validation_only:
-            self.control = asyncio.run_coroutine_threadsafe(self._control_loop(), self.loop)
+            self._join(actor_id)
+
+    def _join(self, actor_id: str) -> None:
+        """Become a member of the stream's replicas, with the newest weights; after a restart (Ray restarts a
+        replica whose process died) the same replica, which then regenerates the prompts it had in flight."""
+        node = ray.get_runtime_context().get_node_id()
+        reg = ray.get(self.clock.register_replica.remote(actor_id, os.getpid(), node, self._engine_pids()))
+        version, url = reg["weights"]
+        if version != self.loaded:  # a restart: never serve the initial weights under a newer version's name
+            self._run(self._load_file(version, url))
+        # Messages from here on: the ones before were for the process this one replaces.
+        self.control = asyncio.run_coroutine_threadsafe(self._control_loop(reg["seq"]), self.loop)
+
+    def _engine_pids(self) -> list[int]:
+        """The engine-core processes (one per engine with the uni executor), for processes.json."""
+        manager = getattr(getattr(self.engine.engine_core, "resources", None), "engine_manager", None)
+        return [p.pid for p in getattr(manager, "processes", [])]
+
+    async def _load_file(self, version: int, url: str) -> None:
+        await self.engine.collective_rpc("load_weights_file", args=(url,))
+        await self.engine.update_weight_version(str(version))
+        self.loaded = version
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -148,9 +170,26 @@ class VLLMGenerate:
             bad = [t for t in row["prompt_ids"] if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {row['prompt_id']} has token ids {bad[:5]} outside the vocabulary")
+        prompt_ids = [row["prompt_id"] for row in rows]
+        self.clock.generating.remote(self.replica, prompt_ids)  # re-admitted if this replica dies meanwhile
         future = asyncio.run_coroutine_threadsafe(self._generate_rows(rows), self.loop)
-        out_rows = await asyncio.wrap_future(future)
+        try:
+            out_rows = await asyncio.wrap_future(future)
+        except Exception as err:
+            if _engine_dead(err):
+                self._exit(f"its vLLM engine died ({type(err).__name__})")
+            raise
+        self.clock.generated.remote(self.replica, prompt_ids)
         return pa.Table.from_pylist(out_rows, schema=_OUT_SCHEMA)
+
+    def _exit(self, cause: str) -> None:
+        """End this replica's process so that Ray restarts it with a new engine and retries its calls; an engine
+        that died takes no more requests. The clock logs the restart with `cause`."""
+        try:
+            ray.get(self.clock.replica_failed.remote(self.replica, cause), timeout=10)
+        finally:
+            print(f"Generate replica {self.replica}: {cause}; exiting for Ray to restart it", flush=True)
+            os._exit(1)
 
     async def _generate_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         # Pull mode: prompts admitted at a version this replica has not loaded yet wait for it (the lag bound).
@@ -238,11 +277,12 @@ class VLLMGenerate:
         return tokens, logprobs, final.weight_versions, final.finish_reason
 
     # --- weight syncs, relayed by the VersionClock -----------------------------------------------------------
-    async def _control_loop(self) -> None:
-        seen = 0
+    async def _control_loop(self, seen: int) -> None:
         while True:
             msg = await asyncio.wrap_future(self.clock.next_message.remote(seen).future())
             seen = msg["seq"]
+            if self.replica not in msg["to"]:
+                continue  # posted before this replica joined: a group or a version it never had
             handlers = {
                 "init_group": self._init_group,
                 "sync": self._sync,
@@ -250,11 +290,18 @@ class VLLMGenerate:
                 "load": self._load,
             }
             handler = handlers[msg["kind"]]
-            payload = await handler(msg)
+            try:
+                payload = await handler(msg)
+            except Exception as err:
+                if _engine_dead(err):
+                    await asyncio.to_thread(self._exit, f"its vLLM engine died ({type(err).__name__})")
+                payload = {"replica": self.replica, "failed": f"{type(err).__name__}: {err}"}
             self.clock.ack.remote(seen, self.replica, payload)
 
     async def _init_group(self, msg: dict[str, Any]) -> dict[str, Any]:
-        args = (msg["host"], msg["port"], self.replica + 1, msg["world_size"], msg["backend"])
+        """Join the trainer's broadcast group at this replica's rank in it; a group formed again after a replica
+        restarted replaces the one before."""
+        args = (msg["host"], msg["port"], msg["ranks"][self.replica], msg["world_size"], msg["backend"])
         await self.engine.collective_rpc("init_weight_group", args=args)
         return {"replica": self.replica}
 
@@ -273,7 +320,7 @@ class VLLMGenerate:
     async def _validate(self, msg: dict[str, Any]) -> dict[str, Any]:
         """This replica's share of a validation pass (pipeline/validate.py); no sync can start until it is done.
         Unless `parallel`, training requests not yet started wait until the share is done."""
-        rows = msg["rows"] if self.clock is None else msg["rows"][self.replica :: msg["replicas"]]
+        rows = msg["rows"] if self.clock is None else msg["rows"][msg["to"].index(self.replica) :: len(msg["to"])]
         hold = not msg["parallel"] and self.clock is not None
         self.holding += int(hold)
         try:
@@ -318,8 +365,15 @@ class VLLMGenerate:
         self.running.clear()
         try:
             return await self._paused_swap(version, rpc, args)
-        finally:  # also on a failed swap: a loop waiting for the sync's end must not wait forever
-            self.running.set()
+        except Exception as err:
+            if _engine_dead(err) or rpc != "receive_weights":
+                raise
+            # The trainer gave up on this broadcast (a replica died during it) and closed the group, and it will
+            # form the group again and repeat the push: stay paused, weights half loaded, until then.
+            return {"replica": self.replica, "failed": f"{type(err).__name__}: {err}"}
+        finally:  # a loop waiting for the sync's end must not wait forever, unless the push is to be repeated
+            if self.loaded == version or rpc != "receive_weights":
+                self.running.set()
 
     async def _paused_swap(self, version: int, rpc: str, args: tuple) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -327,7 +381,13 @@ class VLLMGenerate:
         await self.engine.pause_generation(mode=self.pause_mode, clear_cache=self.pause_mode != "keep")
         self.busy.pause()  # after the drain: in `wait` mode the engine works until pause_generation returns
         t1 = time.monotonic()
-        await self.engine.collective_rpc(rpc, args=args)
+        try:
+            await self.engine.collective_rpc(rpc, args=args)
+        except Exception:
+            if rpc != "receive_weights":  # a failed load leaves the old weights: go on with them
+                await self.engine.resume_generation()
+                self.busy.resume()
+            raise
         await self.engine.update_weight_version(str(version))
         t2 = time.monotonic()
         await self.engine.resume_generation()
@@ -342,6 +402,17 @@ class VLLMGenerate:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _engine_dead(err: BaseException) -> bool:
+    """Whether `err` says the engine core process is gone (vLLM's EngineDeadError), at any depth of causes."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    while err is not None:
+        if isinstance(err, EngineDeadError):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _on_gpu() -> bool:

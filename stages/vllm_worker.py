@@ -24,8 +24,15 @@ class WeightReceiver:
     """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
 
     def init_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        from vllm.distributed.utils import (
+            stateless_destroy_torch_distributed_process_group,
+            stateless_init_torch_distributed_process_group,
+        )
 
+        old = getattr(self, "_weight_group", None)
+        if old is not None:  # formed again after a replica restarted: the trainer has left the old one
+            self._weight_group = None
+            stateless_destroy_torch_distributed_process_group(old)
         # ipc: the group is gloo and carries CUDA IPC handles of the trainer's tensors on this same GPU.
         self._weight_ipc = backend == "ipc"
         self._weight_group = stateless_init_torch_distributed_process_group(

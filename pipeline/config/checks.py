@@ -24,6 +24,8 @@ def validate(cfg: RunConfig) -> None:
         (cfg.actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size must be >= 1"),
         (cfg.rollout.n >= 1, "rollout.n must be >= 1"),
         (cfg.rollout.num_replicas >= 1, "rollout.num_replicas must be >= 1"),
+        (cfg.rollout.engine_max_restarts >= 0, "rollout.engine_max_restarts must be >= 0 (0: no restarts)"),
+        (cfg.trainer.max_restarts >= 0, "trainer.max_restarts must be >= 0 (0: a dead trainer ends the run)"),
         (
             cfg.trainer.save_freq == -1
             or (cfg.trainer.save_freq > 0 and cfg.trainer.save_freq % at.trigger_parameter_sync_step == 0),

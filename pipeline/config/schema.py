@@ -179,6 +179,10 @@ class RolloutConfig:
     """Prompts per Generate call; calls_in_flight of them run concurrently in each engine."""
     calls_in_flight: int = 4
     """Concurrent Generate calls per replica (continuous batching depth)."""
+    engine_max_restarts: int = 3
+    """Restarts of Generate replicas the run survives, all replicas together: Ray restarts a replica whose process
+    or engine died, it loads the current weights and regenerates the prompts it had in flight. In push mode this
+    writes every pushed version to weight_sync.store too (sync/snapshot_s); 0 turns both off."""
     kv_cache_gb: int = 1
     """KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
     test_freq: int = -1
@@ -252,6 +256,9 @@ class TrainerConfig:
     """Checkpoint every this many steps (a multiple of trigger_parameter_sync_step); -1 never."""
     checkpoint_dir: str = ""
     """Where checkpoints go (any fsspec URL); empty means <run_dir>/checkpoints."""
+    max_restarts: int = 3
+    """If the trainer dies, the run restarts from its latest checkpoint in the same command (as resume=true would),
+    up to this many times; it needs trainer.save_freq. Without a checkpoint the run stops and says so."""
 
 
 @dataclass

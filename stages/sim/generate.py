@@ -16,6 +16,7 @@ Token ids are 0 and logprobs 0.0: only lengths, times and versions mean anything
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from typing import Any
@@ -46,7 +47,8 @@ class SimGenerate:
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', not {pause_mode!r}")
         self.clock = ray.get_actor(clock_name, namespace=namespace)
-        self.replica = ray.get(self.clock.register_replica.remote())
+        actor_id = ray.get_runtime_context().get_actor_id() or ""
+        self.replica = ray.get(self.clock.reserve_replica.remote(actor_id))
         self.n, self.max_tokens, self.pause_mode = n, max_tokens, pause_mode
         self.work = Workload(**sim)
         self.scale = self.work.time_scale
@@ -54,7 +56,9 @@ class SimGenerate:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="sim-engine-loop", daemon=True).start()
         self._run(self._setup())
-        self.control = asyncio.run_coroutine_threadsafe(self._control_loop(), self.loop)
+        reg = ray.get(self.clock.register_replica.remote(actor_id, os.getpid()))
+        self.version = max(self.version, reg["weights"][0])  # a restarted replica starts at the newest version
+        self.control = asyncio.run_coroutine_threadsafe(self._control_loop(reg["seq"]), self.loop)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -167,18 +171,19 @@ class SimGenerate:
                 self.state.notify_all()
 
     # --- weight syncs, relayed by the VersionClock -----------------------------------------------------------
-    async def _control_loop(self) -> None:
-        seen = 0
+    async def _control_loop(self, seen: int) -> None:
         while True:
             msg = await asyncio.wrap_future(self.clock.next_message.remote(seen).future())
             seen = msg["seq"]
+            if self.replica not in msg["to"]:
+                continue
             handlers = {"sync": self._sync, "validate": self._validate, "load": self._load}
             payload = await handlers[msg["kind"]](msg) if msg["kind"] in handlers else {"replica": self.replica}
             self.clock.ack.remote(seen, self.replica, payload)
 
     async def _validate(self, msg: dict[str, Any]) -> dict[str, Any]:
         """This replica's share of a validation pass; no sync can start until it is done (pipeline/validate.py)."""
-        rows = msg["rows"][self.replica :: msg["replicas"]]
+        rows = msg["rows"][msg["to"].index(self.replica) :: len(msg["to"])]
         ids = [f"val-{msg['version']}/{row['prompt_id']}/{i}" for row in rows for i in range(msg["n"])]
         totals = [self.work.units(self.work.response_length(sid, self.max_tokens)) for sid in ids]
         self.holding += int(not msg["parallel"])

@@ -37,7 +37,8 @@ class WeightSync(Protocol):
         """Block until every engine has joined."""
 
     def push(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Send tensors to every engine; returns the bytes sent."""
+        """Send tensors to every engine; returns the bytes sent. If it fails (an engine died during it), the group
+        is closed, which ends the other engines' receives at once, and the next `open` forms a new one."""
 
 
 class BroadcastWeightSync:
@@ -52,6 +53,7 @@ class BroadcastWeightSync:
     def open(self, world_size: int) -> dict:
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+        self.close()  # a group formed again (a replica was restarted) replaces the one before
         # Bind the rendezvous store's socket ourselves: TCPStore alone would listen on every interface.
         listener = socket.create_server((self.host, 0))
         port = listener.getsockname()[1]
@@ -83,11 +85,22 @@ class BroadcastWeightSync:
     def push(self, tensors: Iterable[torch.Tensor]) -> int:
         device = torch.cuda.current_device() if self.backend == "nccl" else "cpu"
         sent = 0
-        for tensor in tensors:
-            tensor = tensor.detach().to(device).contiguous()
-            dist.broadcast(tensor, group=self.group, group_src=0)
-            sent += tensor.numel() * tensor.element_size()
+        try:
+            for tensor in tensors:
+                tensor = tensor.detach().to(device).contiguous()
+                dist.broadcast(tensor, group=self.group, group_src=0)
+                sent += tensor.numel() * tensor.element_size()
+        except Exception:
+            self.close()  # the peers still receiving see the group end instead of waiting for its timeout
+            raise
         return sent
+
+    def close(self) -> None:
+        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+        if self.group is not None:
+            group, self.group = self.group, None
+            stateless_destroy_torch_distributed_process_group(group)
 
 
 class IpcWeightSync:
@@ -106,12 +119,16 @@ class IpcWeightSync:
         from torch.multiprocessing.reductions import reduce_tensor
 
         sent = 0
-        for tensor in tensors:
-            tensor = tensor.detach().to(torch.cuda.current_device()).contiguous()
-            _, args = reduce_tensor(tensor)  # a picklable handle: the engine maps the same memory
-            broadcast_object(args, self.control.group)
-            dist.all_reduce(torch.zeros(1), group=self.control.group)  # every engine copied it: it may be freed
-            sent += tensor.numel() * tensor.element_size()
+        try:
+            for tensor in tensors:
+                tensor = tensor.detach().to(torch.cuda.current_device()).contiguous()
+                _, args = reduce_tensor(tensor)  # a picklable handle: the engine maps the same memory
+                broadcast_object(args, self.control.group)
+                dist.all_reduce(torch.zeros(1), group=self.control.group)  # every engine copied it: it may be freed
+                sent += tensor.numel() * tensor.element_size()
+        except Exception:
+            self.control.close()
+            raise
         return sent
 
 

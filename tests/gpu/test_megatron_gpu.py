@@ -45,8 +45,9 @@ def _push_and_compare(ray, tmp_path, backend: str, trainer_gpus: float, engine_g
     before = ray.get(engine.__call__.remote(batch))
     mb = {**before.to_pydict(), "advantage": [1.0, -1.0] * (before.num_rows // 2)}
     ray.get(trainer.train_step.remote([mb]))
-    sync.connect(trainer, clock, 1)
-    assert sync.push(trainer, clock, 1)["sync/bytes"] > 0
+    pusher = sync.Push(trainer, clock, 1, tmp_path)
+    pusher.connect()
+    assert pusher.sync(1)["sync/bytes"] > 0
     weights = tmp_path / "pushed.safetensors"
     ray.get(trainer.publish_weights.remote(str(weights)))
     after = ray.get(engine.__call__.remote(batch))

@@ -84,8 +84,9 @@ def test_megatron_weights_in_the_engine_give_hf_greedy_tokens(ray_session, tmp_p
     rng = np.random.default_rng(0)
     mb = {**before.to_pydict(), "advantage": rng.choice([-1.0, 1.0], before.num_rows).tolist()}
     ray.get(trainer.train_step.remote([mb]))
-    sync.connect(trainer, clock, 1)
-    stats = sync.push(trainer, clock, 1)
+    pusher = sync.Push(trainer, clock, 1, tmp_path)
+    pusher.connect()
+    stats = pusher.sync(1)
     assert stats["sync/bytes"] > 0
     weights = tmp_path / "pushed.safetensors"
     ray.get(trainer.publish_weights.remote(str(weights)))

@@ -48,7 +48,8 @@ def test_sync_mid_response(ray_session, tmp_path, mode):
         .remote(str(task.model_dir), "clock", ns, n=16, max_tokens=240, pause_mode=mode, ignore_eos=True)
     )
     batch = prompts(tokenizer, ["reverse: a b c =", "reverse: d e =", "reverse: f g h i =", "reverse: j k ="])
-    sync.connect(trainer, clock, 1)
+    pusher = sync.Push(trainer, clock, 1, tmp_path)
+    pusher.connect()
     short = ray.get(engine.__call__.remote(batch.slice(0, 1)))  # a real update so that the weights differ
     mb = {**short.to_pydict(), "advantage": np.random.default_rng(0).choice([-1.0, 1.0], short.num_rows).tolist()}
     ray.get(trainer.train_step.remote([mb]))
@@ -56,7 +57,7 @@ def test_sync_mid_response(ray_session, tmp_path, mode):
     pending = engine.__call__.remote(batch)  # 64 responses x 240 tokens: seconds of generation on 2 cores
     for version in (1, 2, 3):  # the same new weights three times: at least one push lands mid-flight
         time.sleep(0.25)
-        sync.push(trainer, clock, version)
+        pusher.sync(version)
     out = ray.get(pending)
 
     versions = out["token_param_version"].to_pylist()

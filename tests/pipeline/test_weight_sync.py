@@ -73,8 +73,9 @@ def test_pushed_weights_reach_the_engine(ray_session, tmp_path):
     rng = np.random.default_rng(0)
     mb = {**before.to_pydict(), "advantage": rng.choice([-1.0, 1.0], before.num_rows).tolist()}
     ray.get(trainer.train_step.remote([mb]))
-    sync.connect(trainer, clock, 1)
-    stats = sync.push(trainer, clock, 1)
+    pusher = sync.Push(trainer, clock, 1, tmp_path)
+    pusher.connect()
+    stats = pusher.sync(1)
     assert stats["sync/bytes"] > 0
     assert gap(before) > 10 * TOL  # the trainer moved: the old engine logprobs no longer match
 
@@ -84,7 +85,7 @@ def test_pushed_weights_reach_the_engine(ray_session, tmp_path):
 
     # A deliberately destroyed head: uniform next-token distribution in the engine after the push.
     ray.get(trainer.set_weight.remote("lm_head.weight", 0.0))
-    sync.push(trainer, clock, 2)
+    pusher.sync(2)
     zeroed = generate()
     flat = [lp for lps in zeroed["response_logprobs"].to_pylist() for lp in lps]
     assert max(abs(lp + math.log(len(tokenizer))) for lp in flat) < TOL

@@ -1,0 +1,73 @@
+"""What a run does when a part of it dies: which errors mean the trainer died, when it may restart from a
+checkpoint (and the config it restarts with), and the fault log's lines and counters."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from pipeline import checkpoint
+from pipeline.config import load_config
+from pipeline.finish import RunFailed, restart_from_checkpoint, trainer_death
+from pipeline.observe.faults import FaultLog
+
+TRAINER_ID = "ab" * 16
+
+
+class FakeTrainer:
+    _actor_id = SimpleNamespace(hex=lambda: TRAINER_ID)
+
+
+def test_only_the_trainer_dying_counts_as_the_trainer_dying():
+    died = ray.exceptions.RayActorError(actor_id=TRAINER_ID)
+    other = ray.exceptions.RayActorError(actor_id="cd" * 16)  # the clock, say: not restartable this way
+    rank = ray.exceptions.RayTaskError("train_step", "", ray.exceptions.RayActorError(actor_id="ef" * 16))
+    assert trainer_death(died, FakeTrainer()) == "the trainer actor died"
+    assert trainer_death(other, FakeTrainer()) is None
+    assert "a trainer rank died" in trainer_death(rank, FakeTrainer())
+    assert trainer_death(ValueError("a bug"), FakeTrainer()) is None
+    assert trainer_death(died, None) is None  # died before the trainer started
+
+
+def _ctx(tmp_path, *overrides):
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "trainer.run_name=r", *overrides])
+    run_dir = tmp_path / "r"
+    run_dir.mkdir(exist_ok=True)
+    return SimpleNamespace(cfg=cfg, run_dir=run_dir, checkpoint_root=str(run_dir / "checkpoints"))
+
+
+def test_a_dead_trainer_restarts_from_the_latest_checkpoint_as_resume_would(tmp_path):
+    ctx = _ctx(tmp_path, "trainer.save_freq=2", "trainer.max_restarts=1")
+    with pytest.raises(RunFailed, match="before the first checkpoint"):
+        restart_from_checkpoint(ctx, "the trainer actor died", 0)
+    checkpoint.commit(ctx.checkpoint_root, 4, 4, [("e0-000001", 0, 1.0)], {})
+    cfg = restart_from_checkpoint(ctx, "the trainer actor died", 0)
+    assert cfg.resume and cfg.trainer.run_name == "r" and cfg.trainer.output_dir == str(tmp_path)
+    (event,) = [json.loads(line) for line in (ctx.run_dir / "faults.jsonl").read_text().splitlines()]
+    assert event["component"] == "trainer" and event["from_step"] == 4
+    with pytest.raises(RunFailed, match=r"trainer.max_restarts=1\). Resume from step 4 with resume=true"):
+        restart_from_checkpoint(ctx, "the trainer actor died", 1)
+
+
+def test_without_checkpoints_the_message_says_how_to_make_the_run_resumable(tmp_path):
+    with pytest.raises(RunFailed, match="the trainer actor died and this run keeps no checkpoint.*trainer.save_freq"):
+        restart_from_checkpoint(_ctx(tmp_path), "the trainer actor died", 0)
+
+
+def test_fault_log_writes_each_restart_once_and_counts_them(tmp_path, capsys):
+    log = FaultLog(tmp_path, trainer_restarts=1, trainer_pid=7)
+    event = {"replica": 0, "time": 1.0, "cause": "its actor process (pid 5) died", "readmitted_prompts": 2}
+    members = [{"replica": 0, "pid": 9, "engine_pids": [10], "node": "n", "generation": 1}]
+    clock = {"fault/engine_restarts": 1, "fault/readmitted_prompts": 2, "events": [event], "replicas": members}
+    assert log.update(clock) == {
+        "fault/engine_restarts": 1.0,
+        "fault/readmitted_prompts": 2.0,
+        "fault/trainer_restarts": 1.0,
+    }
+    assert log.seen == 1
+    log.update({**clock, "events": []})  # the clock's next answer holds only newer events
+    lines = (tmp_path / "faults.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["component"] == "generate replica 0"
+    assert json.loads((tmp_path / "processes.json").read_text()) == {"trainer": 7, "replicas": members}
+    assert "generate replica 0 restarted: its actor process (pid 5) died, 2 prompts" in capsys.readouterr().out
