@@ -98,6 +98,17 @@ REFERENCE_COLUMNS = (
     _col("ref_logprobs", pa.list_(pa.float32()), "logprob of each response token under the frozen initial policy"),
 )
 
+# Added by Generate when the engine captures the MoE routes (actor.router_replay); null otherwise. Optional.
+ROUTING_COLUMNS = (
+    _col(
+        "routed_experts",
+        pa.list_(pa.list_(pa.uint8())),
+        "the experts the engine's routers chose: one row per token of prompt_ids + response_ids except the last "
+        "(the last is never fed back), each row every MoE layer's top-k expert ids, layer after layer (layers x k "
+        "values). Always the engine's latest full-context routes: replaced, never appended, when a response resumes",
+    ),
+)
+
 # Added by Reward and Advantage.
 REWARD_COLUMNS = (
     _col("reward", pa.float32(), "verifier score; 0 when the verifier failed"),
@@ -139,12 +150,13 @@ ALL_COLUMNS = (
     + GATE_COLUMNS
     + GENERATE_COLUMNS
     + REFERENCE_COLUMNS
+    + ROUTING_COLUMNS
     + REWARD_COLUMNS
     + ADVANTAGE_COLUMNS
     + REWARD_KL_COLUMNS
 )
 SAMPLE_SCHEMA = pa.schema([pa.field(c.name, c.type) for c in ALL_COLUMNS])
-OPTIONAL_COLUMNS = tuple(c.name for c in REFERENCE_COLUMNS + REWARD_KL_COLUMNS)
+OPTIONAL_COLUMNS = tuple(c.name for c in REFERENCE_COLUMNS + ROUTING_COLUMNS + REWARD_KL_COLUMNS)
 # What a stage that takes "every column" requires: all but the optional ones.
 REQUIRED_COLUMNS = tuple(n for n in SAMPLE_SCHEMA.names if n not in OPTIONAL_COLUMNS)
 # The sink's consumption log: one row per trained trajectory, joined to the sample log by sample_id.
