@@ -94,6 +94,24 @@ def restart_from_checkpoint(ctx, cause: str, restarts: int):
     )
 
 
+def failure(ctx, err: BaseException) -> RunFailed:
+    """The run failed for a reason no restart covers: the traceback to error.txt, and one line that names the
+    part of the run that failed (a Ray task's or actor's name) and the innermost error."""
+    import traceback
+
+    (ctx.run_dir / "error.txt").write_text("".join(traceback.format_exception(err)))
+    where, inner = "the driver", err
+    while True:
+        if isinstance(inner, ray.exceptions.RayTaskError):
+            where = inner.function_name
+        nxt = getattr(inner, "cause", None) or inner.__cause__
+        if nxt is None or nxt is inner:
+            break
+        inner = nxt
+    what = (str(inner).strip().splitlines() or [""])[-1][:300]
+    return RunFailed(f"{where} failed: {type(inner).__name__}: {what} (traceback: {ctx.run_dir}/error.txt)")
+
+
 class RunInterrupted(KeyboardInterrupt):
     """The user stopped the run (Ctrl-C); the message says where it stopped and how to go on."""
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from pipeline import checkpoint, sync
 from pipeline.config import RunConfig
-from pipeline.finish import finish_run, interrupted, restart_from_checkpoint, trainer_death
+from pipeline.finish import failure, finish_run, interrupted, restart_from_checkpoint, trainer_death
 from pipeline.observe.faults import FaultLog
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import RunContext, prepare
@@ -36,7 +36,7 @@ def run(cfg: RunConfig) -> dict:
         except Exception as err:
             cause = trainer_death(err, ctx.trainer)
             if cause is None:
-                raise
+                raise failure(ctx, err) from err  # one line naming what failed; the traceback in error.txt
             cfg = restart_from_checkpoint(ctx, cause, restarts)  # resume=true in this run dir, or RunFailed
             restarts += 1
         finally:

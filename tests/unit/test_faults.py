@@ -71,3 +71,13 @@ def test_fault_log_writes_each_restart_once_and_counts_them(tmp_path, capsys):
     assert len(lines) == 1 and json.loads(lines[0])["component"] == "generate replica 0"
     assert json.loads((tmp_path / "processes.json").read_text()) == {"trainer": 7, "replicas": members}
     assert "generate replica 0 restarted: its actor process (pid 5) died, 2 prompts" in capsys.readouterr().out
+
+
+def test_an_unrecoverable_failure_is_one_line_naming_the_part_that_failed(tmp_path):
+    from pipeline.finish import failure
+
+    inner = RuntimeError("Generate replica 0 died and the replicas have already been restarted 3 times")
+    err = ray.exceptions.RayTaskError("MapWorker(MapBatches(VLLMGenerate)).submit", "tb", inner)
+    failed = failure(SimpleNamespace(run_dir=tmp_path), err)
+    assert str(failed).startswith("MapWorker(MapBatches(VLLMGenerate)).submit failed: RuntimeError: Generate replica 0")
+    assert "error.txt" in str(failed) and (tmp_path / "error.txt").read_text()

@@ -1,0 +1,92 @@
+"""A receiver of the weight broadcast dies in the middle of a push: the trainer's push fails at once, its group is
+closed, the surviving receiver's receive ends within seconds instead of waiting out the group's 600 s timeout, and
+a group formed again with the survivor carries the whole push (pipeline/sync.py repeats it that way).
+
+Three processes on loopback with the same stateless gloo groups the run uses (stages/trainer/weight_sync.py on the
+trainer side, the stateless init of stages/vllm_worker.py on the receivers' side).
+"""
+
+import os
+import signal
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+TENSORS = 400  # 400 x 1 MiB: a push long enough to be cut in the middle
+
+
+def _receiver(rank: int, world: int, port: int, queue, ports=None) -> None:
+    import torch.distributed as dist
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    group = stateless_init_torch_distributed_process_group("127.0.0.1", port, rank, world, backend="gloo")
+    received, start = 0, time.monotonic()
+    try:
+        for _ in range(TENSORS):
+            dist.broadcast(torch.empty(1 << 18), group=group, group_src=0)
+            received += 1
+            queue.put(("got", rank, received))
+    except Exception as err:  # noqa: BLE001 - the receive ending is what this test waits for
+        queue.put(("ended", rank, received, time.monotonic() - start, type(err).__name__))
+    if ports is not None:  # the group formed again, without the dead receiver
+        group = stateless_init_torch_distributed_process_group("127.0.0.1", ports.get(), 1, 2, backend="gloo")
+        tensors = [torch.empty(1 << 18) for _ in range(TENSORS)]
+        for t in tensors:
+            dist.broadcast(t, group=group, group_src=0)
+        queue.put(("again", rank, sum(float(t[0]) for t in tensors)))
+
+
+def _next(queue, kind: str, rank: int, timeout_s: float = 60.0) -> tuple:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+        if msg[0] == kind and msg[1] == rank:
+            return msg
+    raise TimeoutError(f"no {kind} from rank {rank}")
+
+
+def test_a_receiver_dying_mid_push_ends_the_push_and_the_survivors_receive_at_once():
+    from stages.trainer.weight_sync import BroadcastWeightSync
+
+    ctx = mp.get_context("spawn")
+    queue, ports = ctx.Queue(), ctx.Queue()
+    sync = BroadcastWeightSync("gloo")
+    group = sync.open(3)
+    survivor = ctx.Process(target=_receiver, args=(1, 3, group["port"], queue, ports))
+    doomed = ctx.Process(target=_receiver, args=(2, 3, group["port"], queue))
+    survivor.start()
+    doomed.start()
+    sync.wait_open()
+    try:
+        tensors = (torch.full((1 << 18,), float(i)) for i in range(TENSORS))
+
+        def cut(ts):
+            for i, t in enumerate(ts):
+                if i == 20:  # the doomed receiver has taken some of the push: kill it in the middle
+                    _next(queue, "got", 2)
+                    os.kill(doomed.pid, signal.SIGKILL)
+                yield t
+
+        start = time.monotonic()
+        try:
+            sync.push(cut(tensors))
+            raise AssertionError("the push went through although a receiver died in the middle of it")
+        except RuntimeError:
+            pass
+        assert time.monotonic() - start < 30, "the trainer waited for the dead receiver"
+        assert sync.group is None  # closed: the next open forms a new group
+        ended = _next(queue, "ended", 1, timeout_s=30)
+        assert ended[2] < TENSORS and ended[3] < 60, ended  # the survivor's receive ended within seconds
+
+        ports.put(sync.open(2)["port"])  # formed again with the survivor: the whole push goes through
+        sync.wait_open()
+        sync.push(torch.full((1 << 18,), float(i)) for i in range(TENSORS))
+        assert _next(queue, "again", 1)[2] == TENSORS * (TENSORS - 1) / 2
+    finally:
+        sync.close()
+        for proc in (doomed, survivor):
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+    assert survivor.exitcode == 0
