@@ -132,19 +132,9 @@ class TokenForward:
     logp: torch.Tensor  # (B, T) logprob of each response token
     mask: torch.Tensor  # (B, T) 1 on real response tokens, 0 on padding
     entropy: torch.Tensor | None = None  # (B, T) entropy of each token's distribution, when asked for
+    routes_replayed: float = 0.0  # (token, MoE layer) pairs whose experts were replayed (routes given)
+    routes_changed: float = 0.0  # of them, those whose replayed experts differ from the model's own top-k
 
 
-TokenLogprobs = Callable[..., TokenForward]  # (prompts, responses, entropy: bool = False) -> TokenForward
-
-
-def micro_batched_logprobs(
-    token_logprobs: TokenLogprobs, prompts: list, responses: list, micro: int
-) -> list[list[float]]:
-    """Each response's token logprobs, computed `micro` sequences at a time by a backend's `token_logprobs`:
-    the proximal anchors of every backend."""
-    out: list[list[float]] = []
-    for lo in range(0, len(responses), micro):
-        part = responses[lo : lo + micro]
-        logp = token_logprobs(prompts[lo : lo + micro], part).logp
-        out += [logp[i, : len(r)].tolist() for i, r in enumerate(part)]
-    return out
+# (prompts, responses, entropy: bool = False[, routes: (B, S, layers * k) LongTensor]) -> TokenForward
+TokenLogprobs = Callable[..., TokenForward]

@@ -96,8 +96,8 @@ class MegatronTrainer:
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
         return self._all("train_step", minibatches, self.recompute)
 
-    def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
-        return self._all("logprobs", prompts, responses)
+    def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:
+        return self._all("logprobs", prompts, responses, routes)
 
     # --- weights out -------------------------------------------------------------------------------------------
     def _stream(self):

@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core weight layout for the Llama/Qwen2 family (megatron-core's local layer spec).
+"""HF <-> Megatron-core weight layout for the Llama/Qwen2 family and Qwen3-MoE (megatron-core's local layer spec).
 
 Pure tensor code, no megatron import, so it is unit-tested on its own. The two layouts differ in four ways:
 
@@ -13,8 +13,14 @@ Pure tensor code, no megatron import, so it is unit-tested on its own. The two l
   -> model.norm`, `pre_mlp_layernorm -> post_attention_layernorm`, `linear_proj -> o_proj`, `linear_fc2 ->
   down_proj`.
 
+Qwen3-MoE adds per-head q/k RMSNorms (`q_norm -> self_attention.q_layernorm`, `k_norm -> k_layernorm`) and, on its
+MoE layers, a router (`mlp.gate -> mlp.router`) and experts kept one module per expert on both sides
+(`mlp.experts.{e}.{gate,up,down}_proj` <-> `mlp.experts.local_experts.{e}.linear_fc1/linear_fc2`, fc1 fused as above).
+The export keeps HF's checkpoint names (one tensor per expert), which both vLLM and transformers load; a
+transformers model in memory fuses them (`experts.gate_up_proj`), but only on load.
+
 A Megatron parameter is TP-sharded along `shard_dim(name)` (0: column-parallel and vocab-parallel, 1:
-row-parallel, None: replicated norms).
+row-parallel, None: replicated norms and routers).
 """
 
 from __future__ import annotations
@@ -31,14 +37,20 @@ _PLAIN = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+_QK_NORMS = {"self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+             "self_attention.k_layernorm.weight": "self_attn.k_norm.weight"}  # fmt: skip
+_ROUTER = ("mlp.router.weight", "mlp.gate.weight")
+# An MLP's fc1/fc2 inside a layer: the dense one, or expert e's (Megatron `experts.local_experts.e`, HF `experts.e`).
+_MLP = re.compile(r"^mlp\.(?:experts\.local_experts\.(\d+)\.)?(linear_fc1|linear_fc2)\.weight$")
 _ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+_REPLICATED = ("layernorm.weight", _ROUTER[0])
+MODEL_TYPES = ("qwen2", "llama", "qwen3_moe")
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the layout conversion needs from an HF config.json (Llama/Qwen2 family)."""
+    """What the layout conversion needs from an HF config.json (Llama/Qwen2 family, Qwen3-MoE)."""
 
     num_layers: int
     hidden_size: int
@@ -52,14 +64,20 @@ class ModelShape:
     rope_theta: float
     rms_norm_eps: float
     max_positions: int
+    qk_layernorm: bool = False
+    num_experts: int = 0  # 0: a dense model
+    moe_ffn_hidden_size: int = 0  # each expert's intermediate size
+    moe_topk: int = 0  # experts per token
+    norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a MoE block, in order
 
     @classmethod
     def from_hf(cls, config: Mapping) -> ModelShape:
         kind = config.get("model_type")
-        if kind not in ("qwen2", "llama"):
+        if kind not in MODEL_TYPES:
             raise ValueError(
-                f"trainer.backend=megatron converts Llama/Qwen2-family models; config.json has model_type={kind!r}. "
-                "Use trainer.backend=torch for other architectures."
+                f"trainer.backend=megatron converts {', '.join(MODEL_TYPES)} models; config.json has model_type="
+                f"{kind!r}. Use trainer.backend=torch for other architectures."
             )
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"trainer.backend=megatron expects hidden_act=silu (SwiGLU), not {config['hidden_act']}")
@@ -84,7 +102,12 @@ class ModelShape:
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_positions=config.get("max_position_embeddings", 4096),
+            **(_moe_fields(config) if kind == "qwen3_moe" else {}),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab_size // tp) * tp
@@ -96,11 +119,31 @@ class ModelShape:
                 f"megatron.tensor_model_parallel_size={tp} must divide num_attention_heads ({self.num_heads}) and "
                 f"num_key_value_heads ({self.num_kv_heads}) of the model; pick a divisor of {self.num_kv_heads}."
             )
+        if tp > 1 and self.is_moe:  # megatron-core refuses to train MoE under TP without sequence parallelism
+            raise ValueError(
+                f"megatron.tensor_model_parallel_size={tp} with a MoE model needs sequence parallelism, which this "
+                "trainer does not set up: use tensor_model_parallel_size=1 (or trainer.backend=torch)"
+            )
+
+
+def _moe_fields(config: Mapping) -> dict:
+    """Qwen3-MoE: q/k norms, and a MoE block on every `decoder_sparse_step`-th layer not in `mlp_only_layers`."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+    layers = [i for i in range(config["num_hidden_layers"]) if experts and (i + 1) % step == 0 and i not in dense]
+    return dict(
+        qk_layernorm=True,
+        num_experts=experts,
+        moe_ffn_hidden_size=config["moe_intermediate_size"],
+        moe_topk=config["num_experts_per_tok"],
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        moe_layers=tuple(layers),
+    )
 
 
 def shard_dim(name: str) -> int | None:
     """The dim a Megatron parameter is TP-sharded along, None when every rank holds all of it."""
-    if name.endswith("layernorm.weight"):
+    if name.endswith(_REPLICATED):
         return None
     return 1 if name.endswith(_ROW_PARALLEL) else 0
 
@@ -122,6 +165,13 @@ def _split_qkv(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, torc
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def _mlp_prefixes(shape: ModelShape, layer: int) -> list[tuple[str, str]]:
+    """(Megatron, HF) name prefixes of a layer's MLPs: the dense one, or each expert of a MoE layer."""
+    if layer not in shape.moe_layers:
+        return [("mlp.", "mlp.")]
+    return [(f"mlp.experts.local_experts.{e}.", f"mlp.experts.{e}.") for e in range(shape.num_experts)]
+
+
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     """The full (unsharded) Megatron state dict of an HF state dict; shard it with `shard`."""
     out: dict[str, torch.Tensor] = {}
@@ -131,7 +181,8 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[st
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     for i in range(shape.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for mg, name in _PLAIN.items():
+        plain = _PLAIN | (_QK_NORMS if shape.qk_layernorm else {}) | (dict([_ROUTER]) if i in shape.moe_layers else {})
+        for mg, name in plain.items():
             out[dst + mg] = hf[src + name]
         att = src + "self_attn."
         out[dst + "self_attention.linear_qkv.weight"] = _qkv(
@@ -141,9 +192,11 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape) -> dict[st
             out[dst + "self_attention.linear_qkv.bias"] = _qkv(
                 hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"], shape
             )
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
-        )
+        for mg, name in _mlp_prefixes(shape, i):
+            out[dst + mg + "linear_fc1.weight"] = torch.cat(
+                [hf[src + name + "gate_proj.weight"], hf[src + name + "up_proj.weight"]]
+            )
+            out[dst + mg + "linear_fc2.weight"] = hf[src + name + "down_proj.weight"]
     return out
 
 
@@ -196,15 +249,22 @@ def to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> Iterator[tuple[st
         raise KeyError(f"no HF name for Megatron parameter {name}")
     layer, rest = match.groups()
     prefix = f"model.layers.{layer}."
-    if rest in _PLAIN:
-        yield prefix + _PLAIN[rest], full
+    plain = _PLAIN | _QK_NORMS | dict([_ROUTER])
+    mlp = _MLP.match(rest)
+    if rest in plain:
+        yield prefix + plain[rest], full
     elif rest.startswith("self_attention.linear_qkv."):
         kind = rest.rsplit(".", 1)[1]  # weight or bias
         for proj, part in zip("qkv", _split_qkv(full, shape), strict=True):
             yield f"{prefix}self_attn.{proj}_proj.{kind}", part.contiguous()
-    elif rest == "mlp.linear_fc1.weight":
+    elif mlp is not None:
+        expert, which = mlp.groups()
+        hf_mlp = prefix + ("mlp." if expert is None else f"mlp.experts.{expert}.")
+        if which == "linear_fc2":
+            yield hf_mlp + "down_proj.weight", full
+            return
         gate, up = full.chunk(2)
-        yield prefix + "mlp.gate_proj.weight", gate.contiguous()
-        yield prefix + "mlp.up_proj.weight", up.contiguous()
+        yield hf_mlp + "gate_proj.weight", gate.contiguous()
+        yield hf_mlp + "up_proj.weight", up.contiguous()
     else:
         raise KeyError(f"no HF name for Megatron parameter {name}")

@@ -9,13 +9,15 @@ weights the engines serve.
 On CPU megatron-core trains with three shims (DESIGN.md §4): `torch.cuda.current_device` answers "cpu", an RNG
 tracker that does not fork CUDA states, and an explicit bool causal mask. Its schedules and optimizer hard-code
 CUDA, so the step is written by hand: forward/backward per micro-batch, `finish_grad_sync`, `main_grad` -> `grad`,
-a TP-aware grad-norm clip, torch AdamW. The objective and metrics are TorchTrainer's (stages/trainer/step.py);
+a TP-aware grad-norm clip, torch AdamW. A Qwen3-MoE model and routing replay: stages/trainer/megatron_moe.py.
+The objective and metrics are TorchTrainer's (stages/trainer/step.py);
 the entropy of the vocabulary-parallel logits all-reduces its max and two sums over the TP group. The CUDA path
 (`get_forward_backward_func` and megatron's distributed optimizer) is written but unverified.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterator
@@ -26,10 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.trainer.loss import TokenForward, entropy_from_logits, micro_batched_logprobs
+from stages.trainer.loss import TokenForward, entropy_from_logits
 from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, merge, shard, shard_dim, to_hf
+from stages.trainer.megatron_moe import MegatronRouteReplay, layer_spec, moe_config
 from stages.trainer.settings import PolicySettings
-from stages.trainer.step import Minibatch, StepTotals
+from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
 
 
 def _cpu_shims() -> None:
@@ -84,10 +87,11 @@ class MegatronRank:
         self.model_dir = Path(model_dir)
         self.shape = ModelShape.from_hf(json.loads((self.model_dir / "config.json").read_text()))
         self.shape.check_tp(self.tp)
+        self.policy = policy or PolicySettings()
         self.model = self._build(seed)
         self._load()
+        self.replay = MegatronRouteReplay(self.model.module, self.shape) if self.policy.router_replay.active else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.policy = policy or PolicySettings()
         self.optimizer = self._optimizer()
         self.pad = json.loads((self.model_dir / "config.json").read_text()).get("pad_token_id") or 0
 
@@ -95,7 +99,6 @@ class MegatronRank:
         from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
 
         s = self.shape
@@ -123,12 +126,13 @@ class MegatronRank:
             tensor_model_parallel_size=self.tp,
             params_dtype=torch.float32,
             use_cpu_initialization=True,
+            **moe_config(s, replay=self.policy.router_replay.active),
         )
         if self.cuda:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         model = GPTModel(
             config,
-            get_gpt_layer_local_spec(normalization="RMSNorm"),
+            layer_spec(config, s),
             vocab_size=s.padded_vocab(self.tp),
             max_sequence_length=s.max_positions,
             share_embeddings_and_output_weights=s.tied_embeddings,
@@ -170,8 +174,11 @@ class MegatronRank:
             param.copy_(shard(name, full[name], self.tp_rank, self.tp, self.shape))
 
     # --- forward -------------------------------------------------------------------------------------------------
-    def _token_logprobs(self, prompts: list, responses: list, entropy: bool = False) -> TokenForward:
-        """Logprob of each response token (B, T) and, when asked, its entropy: TorchTrainer's contract."""
+    def _token_logprobs(
+        self, prompts: list, responses: list, entropy: bool = False, routes: torch.Tensor | None = None
+    ) -> TokenForward:
+        """Logprob of each response token (B, T) and, when asked, its entropy: TorchTrainer's contract, routes
+        to replay included."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         seqs = [np.concatenate([p, r]).astype(np.int64) for p, r in zip(prompts, responses, strict=True)]
@@ -183,7 +190,10 @@ class MegatronRank:
         positions = torch.arange(width_s, device=self.device).expand_as(ids)
         # True = masked out; right padding needs no more than causality for the positions we read.
         causal = torch.triu(torch.ones(width_s, width_s, dtype=torch.bool, device=self.device), 1)[None, None]
-        logits = self.model(ids, positions, causal)  # (B, S, V_padded / tp)
+        if routes is not None and self.replay is None:
+            raise ValueError("routes given to a trainer built without actor.router_replay")
+        with self.replay.forcing(routes) if self.replay else contextlib.nullcontext():
+            logits = self.model(ids, positions, causal)  # (B, S, V_padded / tp)
         local_vocab = logits.shape[-1]
         vocab_ids = torch.arange(local_vocab, device=self.device) + self.tp_rank * local_vocab
         logits = logits.float().masked_fill(vocab_ids >= self.shape.vocab_size, float("-inf"))  # padding rows
@@ -200,7 +210,8 @@ class MegatronRank:
             mask[i, : len(r)] = 1.0
             if ent is not None:
                 ent[i, : len(r)] = token_ent[i, start : start + len(r)]
-        return TokenForward(logp, mask, ent)
+        counts = (self.replay.replayed, self.replay.changed) if self.replay else (0.0, 0.0)
+        return TokenForward(logp, mask, ent, *counts)
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, S) entropy of logits split over the vocabulary across TP ranks: the max and the two sums are
@@ -218,18 +229,25 @@ class MegatronRank:
         return entropy_from_logits(logits, grad=self.policy.entropy_coeff != 0, **parallel)
 
     @torch.no_grad()
-    def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
-        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size)
+    def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:
+        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size, routes)
 
     # --- training ------------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]], recompute: bool = False) -> dict[str, float]:
         """TorchTrainer.train_step's contract: one optimizer update per mini-batch, the same metric keys."""
         totals = StepTotals(self.policy)
-        anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"]) if recompute else None for mb in minibatches]
+        anchors = [self._anchor(mb) if recompute else None for mb in minibatches]
         update = self._update_cuda if self.cuda else self._update
         for rows, anchor in zip(minibatches, anchors, strict=True):
             update(Minibatch.of(rows, self.policy, anchor), totals)
         return totals.metrics()
+
+    def _anchor(self, rows: dict[str, list]) -> list:
+        """Proximal logprobs; with routing replay, under the engine's routes (as verl's R3)."""
+        if self.replay is not None:
+            check_routes(rows)
+        routes = rows[ROUTES_COLUMN] if self.replay is not None else None
+        return self.logprobs(rows["prompt_ids"], rows["response_ids"], routes)
 
     def _update(self, mb: Minibatch, totals: StepTotals) -> None:
         self.model.zero_grad_buffer()
@@ -261,8 +279,9 @@ class MegatronRank:
                 # The schedule divides by the micro-batch count; ours is already the mini-batch's share.
                 return res.total * len(slices), {}
 
-            rows = mb.rows
-            return self._token_logprobs(rows["prompt_ids"][sl], rows["response_ids"][sl], entropy=True), loss_func
+            rows, replay = mb.rows, mb.replay_kwargs(sl, self.policy)
+            forward = self._token_logprobs(rows["prompt_ids"][sl], rows["response_ids"][sl], entropy=True, **replay)
+            return forward, loss_func
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

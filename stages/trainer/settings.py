@@ -1,6 +1,6 @@
-"""What every trainer backend is told about the objective: the PPO loss and optimizer knobs and verl's rollout
-correction. One definition, read by the config (its `actor.*` and `algorithm.rollout_correction.*` keys are these
-fields) and by TorchTrainer and MegatronRank alike. Pure data: no torch, so loading a config stays cheap.
+"""What every trainer backend is told about the objective: the PPO loss and optimizer knobs, MoE routing replay and
+verl's rollout correction. One definition, read by the config (its `actor.*` and `algorithm.rollout_correction.*`
+keys are these fields) and by TorchTrainer and MegatronRank alike. Pure data: no torch, so loading a config stays cheap.
 
 Each choice is a `Literal`, so omegaconf refuses a value outside it and names the valid ones.
 """
@@ -8,7 +8,7 @@ Each choice is a `Literal`, so omegaconf refuses a value outside it and names th
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -31,6 +31,40 @@ RSOption = Literal[
     "seq_max_k3",
 ]
 LegacyRSMode = Literal["sequence", "geometric"]
+RouterReplayMode = Literal["disabled", "R2", "R3"]
+
+
+@dataclass
+class RouterReplaySettings:
+    """verl's `actor.router_replay.*`: MoE routing replay. With 'R3' (rollout routing replay) the trainer forces,
+    at every MoE layer, the experts the engine's router chose for each context token (the `routed_experts` column),
+    so that training and inference use the same experts; the router still gets gradients (its probabilities are
+    gathered at the forced experts)."""
+
+    mode: RouterReplayMode = "disabled"
+    """'disabled' or 'R3'. R3 needs the engine to capture the routes and a model with MoE layers. verl's 'R2'
+    (replaying routes the trainer recorded itself) is refused with a message."""
+    record_file: str | None = None
+    """Accepted for verl configs (verl does not read it either); must stay null."""
+    replay_file: str | None = None
+    """Accepted for verl configs (verl does not read it either); must stay null."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disabled", "R3"):  # R2 too: a verl choice, named so that its refusal can say why
+            raise ValueError(
+                f"actor.router_replay.mode={self.mode!r} is not supported: 'R3' replays the engine's routes (the "
+                "routed_experts column), 'disabled' routes as the model does; verl's 'R2' (the trainer's own recorded "
+                "routes) is not implemented"
+            )
+        if self.record_file is not None or self.replay_file is not None:
+            raise ValueError(
+                "actor.router_replay.record_file / replay_file are not supported: routes come from the engine "
+                "(the routed_experts column); leave them null"
+            )
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "disabled"
 
 
 @dataclass
@@ -69,6 +103,8 @@ class PolicySettings:
     """Max global grad norm."""
     micro_batch_size: int = 32
     """Trajectories per forward/backward pass (gradient accumulation; memory only)."""
+    router_replay: RouterReplaySettings = field(default_factory=RouterReplaySettings)
+    """MoE routing replay (verl's `actor.router_replay`): 'R3' trains with the engine's expert choices."""
 
     def __post_init__(self) -> None:
         if self.clip_ratio_c <= 1.0:

@@ -12,7 +12,13 @@ Metrics, under verl's names, over a step of one or more mini-batches (one optimi
   shares), averaged over the step's mini-batches (verl's legacy actor sums them; one mini-batch per step agrees);
 - actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl (mean of old - new logprob, the log-ratio clamped),
   train/ratio_mean: token-weighted over all the step's trained tokens, not a mean of micro-batch means;
-- actor/grad_norm: the pre-clip norm, averaged over the step's updates; actor/kl_coef when the KL loss is on.
+- actor/grad_norm: the pre-clip norm, averaged over the step's updates; actor/kl_coef when the KL loss is on;
+- actor/router_mismatch (with actor.router_replay.mode=R3): the share of replayed (token, MoE layer) pairs whose
+  replayed experts are not the set the trainer's own router would pick, over the step's training forward passes.
+
+Routing replay: the `routed_experts` rows (one per context token but the last, layers x k expert ids each) reach a
+backend's forward as one (B, S, layers * k) tensor padded to the micro-batch's context length with -1, which means
+"no replayed route here, route as the model does" (padding and each sequence's last token).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from stages.trainer.loss import AggCounts, PolicyLoss, TokenLogprobs, agg_loss, 
 from stages.trainer.settings import PolicySettings
 
 NEEDED_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "response_mask")
+ROUTES_COLUMN = "routed_experts"
+NO_ROUTE = -1  # a (B, S, layers * k) routes tensor's value where the model routes the token itself
 
 
 @dataclass
@@ -36,6 +44,8 @@ class MicroLoss:
     pg: PolicyLoss
     entropy: float  # this micro-batch's share of the mini-batch's aggregated entropy
     kl: float  # its share of the aggregated KL loss (0 when the KL loss is off)
+    routes_replayed: float = 0.0  # (token, MoE layer) pairs whose experts were replayed
+    routes_changed: float = 0.0  # of them, those whose experts differ from the trainer's own top-k
 
 
 @dataclass
@@ -67,6 +77,8 @@ class Minibatch:
             raise KeyError(f"the trainer needs columns {missing}")
         if policy.use_kl_loss:
             _check_ref_logprobs(rows)
+        if policy.router_replay.active:
+            check_routes(rows)
         masks = masks if masks is not None else [np.asarray(m, dtype=np.float32) for m in rows["response_mask"]]
         if counts is None:
             width = max((len(r) for r in rows["response_ids"]), default=1)  # verl's null: the padded width
@@ -83,7 +95,9 @@ class Minibatch:
     def loss(self, token_logprobs: TokenLogprobs, sl: slice, policy: PolicySettings, device="cpu") -> MicroLoss:
         """Micro-batch `sl`'s share of the mini-batch's objective."""
         rows = self.rows
-        fwd = token_logprobs(rows["prompt_ids"][sl], rows["response_ids"][sl], entropy=True)  # (B, T) each
+        prompts, responses = rows["prompt_ids"][sl], rows["response_ids"][sl]
+        replay = self.replay_kwargs(sl, policy)
+        fwd = token_logprobs(prompts, responses, entropy=True, **replay)  # (B, T) each
         width = fwd.logp.shape[1]
         old = self._pad(self.old[sl], width, device)
         mask = fwd.mask * self._pad(self.masks[sl], width, device)
@@ -100,7 +114,17 @@ class Minibatch:
             ref = self._pad(rows["ref_logprobs"][sl], width, device)
             kl = agg_loss(kl_penalty(fwd.logp, ref, policy.kl_loss_type), mask, agg, den)
             total = total + policy.kl_loss_coef * kl
-        return MicroLoss(total, pg, entropy=float(entropy.detach()), kl=float(kl.detach()))
+        return MicroLoss(
+            total, pg, float(entropy.detach()), float(kl.detach()), fwd.routes_replayed, fwd.routes_changed
+        )
+
+    def replay_kwargs(self, sl: slice, policy: PolicySettings) -> dict[str, torch.Tensor]:
+        """What a forward over micro-batch `sl` takes besides the tokens: `routes` (B, S, layers * k) to replay
+        with routing replay on, nothing otherwise."""
+        if not policy.router_replay.active:
+            return {}
+        rows = self.rows
+        return {"routes": pad_routes(rows["prompt_ids"][sl], rows["response_ids"][sl], rows[ROUTES_COLUMN][sl])}
 
     def _advantages(self, sl: slice, width: int, device) -> torch.Tensor:
         """(B, T) per-token advantages; a scalar `advantage` broadcast over the response when the batch has no
@@ -113,6 +137,39 @@ class Minibatch:
     @staticmethod
     def _pad(rows: list, width: int, device) -> torch.Tensor:
         return pad_rows([np.asarray(x, np.float32) for x in rows], width).to(device)
+
+
+def check_routes(rows: dict[str, list]) -> None:
+    """Routing replay needs every row's engine routes, one per context token but the last."""
+    n = len(rows["response_ids"])
+    routes = rows.get(ROUTES_COLUMN, [None] * n)
+    lacking = sum(r is None for r in routes)
+    if lacking:
+        raise KeyError(
+            f"actor.router_replay.mode=R3 replays the engine's MoE routes from the {ROUTES_COLUMN} column, and "
+            f"{lacking} of {n} rows of this mini-batch lack it: turn route capture on in the engine "
+            "(rollout.enable_rollout_routing_replay=true, verl's key) or set actor.router_replay.mode=disabled"
+        )
+    for i, (p, r, route) in enumerate(zip(rows["prompt_ids"], rows["response_ids"], routes, strict=True)):
+        if len(route) != len(p) + len(r) - 1:
+            raise ValueError(
+                f"row {i}: {ROUTES_COLUMN} has {len(route)} rows for {len(p)} prompt + {len(r)} response tokens; "
+                "it needs one per token but the last (the engine's routes must cover prompt_ids + response_ids)"
+            )
+
+
+def pad_routes(prompts: list, responses: list, routes: list) -> torch.Tensor:
+    """(B, S, layers * k) int64 replayed expert ids, S the longest context; NO_ROUTE where none (padding, last)."""
+    rows = [np.asarray([np.asarray(t, np.int64) for t in r], np.int64) for r in routes]  # (T_i, layers * k) each
+    width = next((r.shape[1] for r in rows if r.ndim == 2), 0)
+    context = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    out = torch.full((len(rows), context, width), NO_ROUTE, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r) and (r.ndim != 2 or r.shape[1] != width):
+            raise ValueError(f"{ROUTES_COLUMN} rows hold {width} expert ids per token, but row {i} does not")
+        if len(r):
+            out[i, : len(r)] = torch.from_numpy(r)
+    return out
 
 
 def _check_ref_logprobs(rows: dict[str, list]) -> None:
@@ -134,7 +191,9 @@ class StepTotals:
     updates: int = 0
     shares: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("pg", "entropy", "kl", "grad_norm"), 0.0))
     token_sums: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("clipped", "dual_clipped", "kl", "ratio", "tokens"), 0.0)
+        default_factory=lambda: dict.fromkeys(
+            ("clipped", "dual_clipped", "kl", "ratio", "tokens", "routes_replayed", "routes_changed"), 0.0
+        )
     )
 
     def add_micro(self, res: MicroLoss) -> None:
@@ -147,6 +206,8 @@ class StepTotals:
             ("kl", res.pg.kl_sum),
             ("ratio", res.pg.ratio_sum),
             ("tokens", res.pg.tokens),
+            ("routes_replayed", res.routes_replayed),
+            ("routes_changed", res.routes_changed),
         ):
             self.token_sums[key] += value
 
@@ -170,7 +231,26 @@ class StepTotals:
         }
         if self.policy.use_kl_loss:
             out["actor/kl_coef"] = self.policy.kl_loss_coef
+        if self.policy.router_replay.active:
+            out["actor/router_mismatch"] = self.token_sums["routes_changed"] / max(
+                self.token_sums["routes_replayed"], 1
+            )
         return out
+
+
+def micro_batched_logprobs(
+    token_logprobs: TokenLogprobs, prompts: list, responses: list, micro: int, routes: list | None = None
+) -> list[list[float]]:
+    """Each response's token logprobs, computed `micro` sequences at a time by a backend's `token_logprobs`: the
+    proximal anchors of every backend. `routes`: the rows' routed_experts, replayed (verl's R3 replays them in
+    this pass too); None routes as the model does."""
+    out: list[list[float]] = []
+    for lo in range(0, len(responses), micro):
+        p, r = prompts[lo : lo + micro], responses[lo : lo + micro]
+        replay = {} if routes is None else {"routes": pad_routes(p, r, routes[lo : lo + micro])}
+        logp = token_logprobs(p, r, **replay).logp
+        out += [logp[i, : len(x)].tolist() for i, x in enumerate(r)]
+    return out
 
 
 def pad_rows(rows: list[np.ndarray], width: int) -> torch.Tensor:

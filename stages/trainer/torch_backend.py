@@ -10,10 +10,14 @@ The old logprobs of the PPO ratio are, as in verl:
 - or, with `compute_prox_log_prob` (or `use_rollout_log_probs=false`), the proximal logprobs: recomputed with the
   weights at the start of the step, for every mini-batch before the first update. Rollout correction
   (stages/trainer/correction.py) then weighs and masks samples by proximal / behaviour: decoupled PPO.
+
+With `actor.router_replay.mode=R3` every forward pass of a step, the proximal one included (as verl's R3), replays
+the engine's MoE routes (stages/trainer/hf_router_replay.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import time
@@ -26,9 +30,10 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from stages.trainer.correction import correct_step
-from stages.trainer.loss import TokenForward, entropy_from_logits, micro_batched_logprobs
+from stages.trainer.hf_router_replay import HFRouterReplay
+from stages.trainer.loss import TokenForward, entropy_from_logits
 from stages.trainer.settings import CorrectionSettings, PolicySettings
-from stages.trainer.step import Minibatch, StepTotals, pad_rows
+from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs, pad_rows
 from stages.trainer.weight_sync import make_weight_sync
 
 
@@ -64,6 +69,7 @@ class TorchTrainer:
         if self.correction.active and not self.recompute:
             raise ValueError("rollout correction compares proximal and behaviour logprobs: set compute_prox_log_prob")
         self.pad = self.model.config.pad_token_id or 0
+        self.replay = HFRouterReplay(self.model) if self.policy.router_replay.active else None
         self.sync = make_weight_sync(weight_sync_backend)
 
     # --- training --------------------------------------------------------------------------------------------
@@ -75,7 +81,7 @@ class TorchTrainer:
         corrections: list[tuple[list | None, torch.Tensor | None]] = [(None, None)] * len(minibatches)
         correction_metrics: dict[str, float] = {}
         if self.recompute:  # decoupled PPO: the ratio is against the proximal policy, IS against behaviour
-            anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"]) for mb in minibatches]
+            anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"], self._routes(mb)) for mb in minibatches]
             corrections, correction_metrics = self._correct(minibatches, anchors)
         for rows, anchor, (masks, weights) in zip(minibatches, anchors, corrections, strict=True):
             self._update(Minibatch.of(rows, self.policy, anchor, masks, weights), totals)
@@ -94,6 +100,13 @@ class TorchTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         totals.add_update(grad_norm)
 
+    def _routes(self, rows: dict[str, list]) -> list | None:
+        """The rows' engine routes when replaying them (checked before the proximal pass uses them)."""
+        if self.replay is None:
+            return None
+        check_routes(rows)
+        return rows[ROUTES_COLUMN]
+
     def _correct(self, minibatches: list, anchors: list) -> tuple[list, dict[str, float]]:
         """The whole step corrected at once, as verl corrects a training batch; then each mini-batch's share:
         its rejection-masked token masks and (B, T) IS weights (None without `rollout_is`)."""
@@ -111,13 +124,19 @@ class TorchTrainer:
             start = share.stop
         return shares, step.metrics
 
-    def _token_logprobs(self, prompts: list, responses: list, entropy: bool = False) -> TokenForward:
+    def _token_logprobs(
+        self, prompts: list, responses: list, entropy: bool = False, routes: torch.Tensor | None = None
+    ) -> TokenForward:
         """Logprob of each response token under the current weights, (B, T), and its distribution's entropy when
-        asked (from the same logits; with a graph only when entropy_coeff puts it in the loss)."""
+        asked (from the same logits; with a graph only when entropy_coeff puts it in the loss). `routes`:
+        (B, S, layers * k) MoE routes to replay (stages/trainer/step.py's pad_routes)."""
         seqs = [torch.tensor(np.concatenate([p, r]).astype(np.int64)) for p, r in zip(prompts, responses, strict=True)]
         ids = pad_sequence(seqs, batch_first=True, padding_value=self.pad)  # (B, S)
         attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
-        logits = self.model(input_ids=ids, attention_mask=attn).logits.float()  # (B, S, V)
+        if routes is not None and self.replay is None:
+            raise ValueError("routes given to a trainer built without actor.router_replay")
+        with self.replay.forcing(routes) if self.replay else contextlib.nullcontext():
+            logits = self.model(input_ids=ids, attention_mask=attn).logits.float()  # (B, S, V)
         width = max((len(r) for r in responses), default=0)
         logp = torch.zeros(len(seqs), width)
         mask = torch.zeros(len(seqs), width)
@@ -132,12 +151,14 @@ class TorchTrainer:
             mask[i, : len(r)] = 1.0
             if ent is not None:
                 ent[i, : len(r)] = entropy_from_logits(step_logits, grad=self.policy.entropy_coeff != 0)
-        return TokenForward(logp, mask, ent)
+        counts = (self.replay.replayed, self.replay.changed) if self.replay else (0.0, 0.0)
+        return TokenForward(logp, mask, ent, *counts)
 
     @torch.no_grad()
-    def logprobs(self, prompts: list, responses: list) -> list[list[float]]:
-        """Response-token logprobs under the current weights, in micro-batches (proximal anchors; tests)."""
-        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size)
+    def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:
+        """Response-token logprobs under the current weights, in micro-batches (proximal anchors; tests);
+        `routes`: the rows' routed_experts to replay."""
+        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size, routes)
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, url: str) -> float:

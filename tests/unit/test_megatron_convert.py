@@ -138,3 +138,46 @@ def test_prepare_refuses_a_tp_the_model_cannot_take(tmp_path):
     cfg = load_config(None, ["trainer.backend=megatron", "actor.megatron.tensor_model_parallel_size=4"])
     with pytest.raises(ConfigError, match=r"num_key_value_heads \(2\)"):
         check_megatron(cfg, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "moe_layers"),
+    [({}, (0, 1)), ({"mlp_only_layers": [0]}, (1,)), ({"decoder_sparse_step": 2}, (1,))],
+    ids=["all_moe", "mlp_only_layers", "sparse_step"],
+)
+def test_qwen3_moe_round_trips_exactly(tmp_path, overrides, moe_layers):
+    """Experts, routers and q/k norms, also beside dense layers; the export names are the checkpoint's own."""
+    from safetensors.torch import load_file
+
+    from tests.moe_model import build_tiny_moe
+
+    build_tiny_moe(tmp_path, **overrides)
+    shape = ModelShape.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert (shape.num_experts, shape.moe_topk, shape.moe_ffn_hidden_size) == (4, 2, 32)
+    assert (shape.moe_layers, shape.qk_layernorm, shape.norm_topk_prob, shape.qkv_bias) == (
+        moe_layers,
+        True,
+        True,
+        False,
+    )
+    hf = load_file(tmp_path / "model.safetensors")
+    full = hf_to_megatron(hf, shape)
+    layer = f"decoder.layers.{moe_layers[0]}."
+    assert torch.equal(full[layer + "mlp.router.weight"], hf[f"model.layers.{moe_layers[0]}.mlp.gate.weight"])
+    fc1 = full[layer + "mlp.experts.local_experts.3.linear_fc1.weight"]  # [gate; up] of expert 3
+    assert torch.equal(fc1[32:], hf[f"model.layers.{moe_layers[0]}.mlp.experts.3.up_proj.weight"])
+    back = _round_trip(hf, shape, tp=1)
+    assert set(back) == set(hf)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_moe_routers_and_qk_norms_are_replicated_and_tp_is_refused():
+    from stages.trainer.megatron_convert import shard_dim
+
+    assert shard_dim("decoder.layers.0.mlp.router.weight") is None
+    assert shard_dim("decoder.layers.0.self_attention.q_layernorm.weight") is None
+    assert shard_dim("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight") == 1
+    moe = _shape(num_experts=4, moe_ffn_hidden_size=32, moe_topk=2, moe_layers=(0, 1))
+    moe.check_tp(1)
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 with a MoE model needs sequence parallelism"):
+        moe.check_tp(2)
