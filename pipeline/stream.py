@@ -199,9 +199,9 @@ def prompt_dataset(source: PromptSource, clock: tuple[str, str] | None = None) -
     """The source as Ray Data's input: blocks of `block_rows` prompts in admission order, then the end marker.
 
     Ray Data merges what one task yields into blocks of `target_max_block_size` bytes, so the prompts come out of
-    one read task in joins of chunks just over that size (`super_chunks`: each leaves the task as it is yielded)
-    and a streaming repartition cuts them back into blocks of `block_rows`; every join holds whole blocks, so the
-    cuts fall where `PromptSource.blocks` puts them. Left alone, Ray Data would read as far ahead as its memory
+    one read task in joins of whole blocks just over that size (`super_chunks`: each leaves the task as it is
+    yielded) and a streaming repartition cuts them back into blocks of `block_rows`, where `PromptSource.blocks`
+    cuts them. Left alone, Ray Data would read as far ahead as its memory
     budget allows (for a large file, minutes of tokenizing and many thousand blocks); the read task is `paced` by
     the clock's admission count instead, at most two joins ahead of the gate. A second read task, read after the
     first (one at a time), gives the end marker its own block, after every prompt. The read and the cut take no
@@ -213,7 +213,9 @@ def prompt_dataset(source: PromptSource, clock: tuple[str, str] | None = None) -
     from ray.data._internal.logical.interfaces import LogicalPlan
     from ray.data._internal.logical.operators import StreamingRepartition
 
-    join_bytes = int(1.2 * DataContext.get_current().target_max_block_size)  # over it whatever Ray adds to nbytes
+    # Over the target (whatever Ray adds to nbytes), and by less than one block: a task's output of 1.5x the target
+    # or more is sliced at arbitrary rows.
+    join_bytes = int(1.1 * DataContext.get_current().target_max_block_size)
     datasource = _PromptDatasource(ray.put(source), join_bytes, clock)
     ds = ray.data.read_datasource(datasource, override_num_blocks=2, num_cpus=0, concurrency=1)
     # Dataset.repartition(target_num_rows_per_block=...) takes no compute or resources: one task at a time keeps the
@@ -249,7 +251,8 @@ class _PromptDatasource(ray.data.Datasource):
         def prompts():
             source = ray.get(ref)
             try:
-                yield from paced(super_chunks(source.chunks(), join_bytes), _admission_count(clock, source))
+                joins = super_chunks(source.chunks(), join_bytes, source.block_rows)
+                yield from paced(joins, _admission_count(clock, source))
             except PromptDataError as err:
                 raise BadPromptRow(err.message) from None
 

@@ -7,7 +7,9 @@ resumed run (`skip`: the ids its checkpoint's ledger holds) lays out the same or
 
 Nothing here grows with total_rollout_steps: an epoch's permutation is drawn when the layout reaches it, and rows are
 validated and tokenized (`PromptFile.checked`) a chunk at a time, when the chunk is read. What the driver holds is
-the prompt file (its needed columns) and the ids to skip.
+the prompt file (its needed columns) and the ids to skip. For Ray Data's read task (pipeline/stream.py),
+`super_chunks` joins whole blocks into pieces of a given byte size and `paced` draws the next piece only as the gate
+admits the previous ones.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from pipeline.tasks.source import PromptFile
 from schemas import END_OF_STREAM
 from schemas.sample import PROMPT_COLUMNS
 
-# Rows validated and tokenized at a time (rounded to whole blocks); small, so that joining chunks overshoots a byte
-# size by little (see `super_chunks`).
-CHUNK_ROWS = 256
+# Rows validated and tokenized at a time (rounded to whole blocks).
+CHUNK_ROWS = 1024
 
 _ID = re.compile(r"e(\d+)-(\d+)")
 
@@ -108,18 +109,21 @@ class PromptSource:
         yield end_block()
 
 
-def super_chunks(chunks: Iterator[pa.Table], min_bytes: int) -> Iterator[pa.Table]:
-    """Consecutive chunks joined until the join holds more than `min_bytes` (the last join may hold less)."""
+def super_chunks(chunks: Iterator[pa.Table], min_bytes: int, block_rows: int) -> Iterator[pa.Table]:
+    """The chunks' rows joined in whole blocks of `block_rows` until a join holds more than `min_bytes`, so each
+    join passes that size by less than one block (the last join may hold less)."""
     held: list[pa.Table] = []
     size = 0
     for chunk in chunks:
-        held.append(chunk)
-        size += chunk.nbytes
-        if size > min_bytes:
-            yield pa.concat_tables(held)
-            held, size = [], 0
+        for start in range(0, chunk.num_rows, block_rows):
+            block = chunk.slice(start, block_rows)
+            held.append(block)
+            size += block.nbytes
+            if size > min_bytes:
+                yield pa.concat_tables(held).combine_chunks()
+                held, size = [], 0
     if held:
-        yield pa.concat_tables(held)
+        yield pa.concat_tables(held).combine_chunks()
 
 
 def paced(tables: Iterator[pa.Table], admitted: Callable[[], int], poll_s: float = 0.2) -> Iterator[pa.Table]:

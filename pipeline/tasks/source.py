@@ -193,7 +193,9 @@ class PromptFile:
         if table.num_rows == 0:
             raise PromptDataError(f"data file {path} has no rows.")
         keep = [*self.required, *(["agent_name"] if "agent_name" in table.column_names else [])]
-        self.table = table.select(keep)
+        # One chunk per column: a parquet file's row groups come back as slices of shared buffers, and a slice
+        # pickles (to the read task, through Ray's object store) with its whole buffer, 8x the table for 8 groups.
+        self.table = table.select(keep).combine_chunks()
         self.path, self.tokenizer = path, tokenizer
         self.max_prompt_length, self.default_agent_loop = max_prompt_length, default_agent_loop
         self._check_agent_names()

@@ -163,11 +163,11 @@ def test_only_the_needed_columns_are_kept(tmp_path):
     ]
 
 
-def test_joins_are_whole_chunks_just_over_the_size(tmp_path):
-    chunks = [pa.table({"x": list(range(i * 8, i * 8 + 8))}) for i in range(20)]  # 64 bytes each
-    joins = list(super_chunks(iter(chunks), min_bytes=200))
-    assert [j.num_rows for j in joins] == [32, 32, 32, 32, 32]
-    assert all(j.nbytes > 200 for j in joins[:-1])
+def test_joins_are_whole_blocks_just_over_the_size():
+    chunks = [pa.table({"x": list(range(i * 12, i * 12 + 12))}) for i in range(10)]  # 96 bytes: 3 blocks of 32
+    joins = list(super_chunks(iter(chunks), min_bytes=200, block_rows=4))
+    assert [j.num_rows for j in joins] == [28] * 4 + [8]  # 7 blocks: 224 bytes, over 200 by less than a block
+    assert all(j.column(0).num_chunks == 1 for j in joins)
     assert pa.concat_tables(joins).equals(pa.concat_tables(chunks))
 
 
@@ -187,3 +187,53 @@ def test_the_read_draws_a_table_only_when_all_but_the_last_are_admitted():
     assert sum(t.num_rows for t in paced(tables(), gate, poll_s=0)) == 60
     # Table i is drawn at the first count with tables 0..i-2 admitted (10 rows each): the first two at once.
     assert seen == [5, 10, 15, 20, 30, 40]
+
+
+def test_the_prompt_table_travels_at_its_own_size(tmp_path):
+    # Parquet reads a large row group in batches that are slices of one buffer; pickled as they are, each would
+    # carry the whole buffer to the read task (a million rows: 8x the table).
+    n = 140_000  # two read batches
+    path = tmp_path / "one_group.parquet"
+    pq.write_table(
+        pa.table(
+            {"prompt_text": [f"add {i}" for i in range(n)], "ground_truth": ["1"] * n, "data_source": ["add"] * n}
+        ),
+        path,
+    )
+    table = PromptFile(str(path), WordTokenizer(), 16, "single_turn_agent").table
+    assert len(pickle.dumps(table)) < 1.2 * table.nbytes
+
+
+@pytest.mark.parametrize(
+    ("fix", "message"),
+    [
+        ({"reward_model": {"style": "rule", "ground_truth": None}}, "column 'reward_model' must be a struct"),
+        ({"prompt": []}, "column 'prompt' must be a list of chat messages"),
+        ({"data_source": ""}, "column 'data_source' must be a non-empty string"),
+    ],
+)
+def test_verl_rows_are_scanned_up_front_too(tmp_path, fix, message):
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"add {i} and 1"}],
+            "data_source": "add",
+            "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+        }
+        for i in range(3000)
+    ]
+    rows[2500] |= fix
+    path = tmp_path / "verl.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(PromptDataError) as info:
+        PromptFile(str(path), WordTokenizer(), 16, "single_turn_agent").check_up_front(sample_rows=10)
+    assert str(info.value).startswith(f"data file {path}, row 2500: {message}")
+
+
+def test_cutting_the_joins_gives_the_blocks(tmp_path):
+    # What the read task and the streaming repartition do in the stream, without Ray: joins cut into blocks.
+    lazy = source(write(tmp_path, 300), total=1000, block_rows=6)
+    joins = list(super_chunks(lazy.chunks(), min_bytes=5000, block_rows=6))
+    assert len(joins) > 3 and all(j.num_rows % 6 == 0 for j in joins[:-1])
+    cut = [j.slice(i, 6) for j in joins for i in range(0, j.num_rows, 6)]
+    expected = list(lazy.blocks())[:-1]
+    assert len(cut) == len(expected) and all(a.equals(b) for a, b in zip(cut, expected, strict=True))
