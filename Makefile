@@ -38,6 +38,7 @@ bench: install
 	$(PY) -m bench.learning
 	$(PY) -m bench.pull
 	$(PY) -m bench.validation
+	$(PY) -m bench.prompts_1m
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -63,7 +63,8 @@ def _run(items: list[str]) -> int:
         print(f"asyncrl: config error: {err}", file=sys.stderr)
         return 2
     except (PromptDataError, ResumeError, FileNotFoundError) as err:
-        print(f"asyncrl: input error: {err}", file=sys.stderr)
+        # A row the stream found bad arrives wrapped in Ray's task error, whose str() is the worker's traceback.
+        print(f"asyncrl: input error: {getattr(err, 'cause', None) or err}", file=sys.stderr)
         return 2
     except RunFailed as err:
         print(f"asyncrl: run failed: {err}", file=sys.stderr)

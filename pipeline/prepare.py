@@ -1,6 +1,8 @@
 """Everything a run needs before the stream starts: run directory, model, prompts, Ray, the control actors.
 
-Input errors (missing model or data, malformed rows) surface here, before Ray starts, as one clear message.
+Input errors (missing model or data, malformed rows) surface here, before Ray starts, as one clear message. For the
+training prompts that is every check that takes seconds whatever the file's size (pipeline/tasks/source.py); the
+rest of each row is checked when the stream reads it, and a bad one there fails the run with the same message.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pipeline.clock import VersionClock
 from pipeline.config import ConfigError, RunConfig, to_yaml
 from pipeline.observe.monitor import Monitor, make_monitor
 from pipeline.stream import wait_for_executors
-from pipeline.tasks.source import PromptDataError, admission_blocks, load_prompts
+from pipeline.tasks.admission import AdmissionOrder, PromptSource
+from pipeline.tasks.source import PromptDataError, PromptFile, load_prompts
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
 
@@ -32,7 +35,7 @@ class RunContext:
     cfg: RunConfig
     run_dir: Path
     model_dir: Path
-    blocks: list[pa.Table]
+    source: PromptSource  # the stream's prompts, laid out lazily (pipeline/tasks/admission.py)
     namespace: str
     monitor: Monitor
     started_ray: bool = False
@@ -43,6 +46,11 @@ class RunContext:
     stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
     clock: Any = None  # the actors this attempt started, ended with it on a cluster that outlives the run
     trainer: Any = None
+
+    @property
+    def blocks(self) -> PromptSource:
+        """The name run.py passes to build_stream."""
+        return self.source
 
     @property
     def start_step(self) -> int:
@@ -205,6 +213,15 @@ def load_val_prompts(cfg: RunConfig, run_dir: Path, tokenizer) -> pa.Table | Non
     return table.drop_columns(["row"]).add_column(0, "prompt_id", ids)
 
 
+def prompt_source(cfg: RunConfig, data_file: str, tokenizer, resumed: Checkpoint | None) -> PromptSource:
+    """The training prompts, checked up front as far as seconds allow (pipeline/tasks/source.py), in an admission
+    order laid out as the stream reads it; a resumed run's order leaves out what its checkpoint's ledger admitted."""
+    prompts = PromptFile(data_file, tokenizer, cfg.data.max_prompt_length, cfg.rollout.agent.default_agent_loop)
+    skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()
+    order = AdmissionOrder(prompts.num_rows, cfg.rollout.total_rollout_steps, cfg.data.seed, skip)
+    return PromptSource(prompts.check_up_front(), order, cfg.rollout.prompts_per_call)
+
+
 def check_context(cfg: RunConfig, model_dir: Path) -> None:
     """Prompt plus response must fit the model's positions (the embedded model has 256).
 
@@ -322,18 +339,15 @@ def prepare(cfg: RunConfig) -> RunContext:
         if cfg.trainer.backend == "megatron":
             check_megatron(cfg, model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        prompts = load_prompts(data_file, tokenizer, cfg.data.max_prompt_length, cfg.rollout.agent.default_agent_loop)
+        source = prompt_source(cfg, data_file, tokenizer, resumed)
         val_prompts = load_val_prompts(cfg, run_dir, tokenizer)
-        skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()
-        ro = cfg.rollout
-        blocks = admission_blocks(prompts, ro.total_rollout_steps, ro.prompts_per_call, cfg.data.seed, skip)
         if not resumed:  # only now: every input above is checked before the tens of seconds it takes
             warm_start_embedded(cfg, model_dir, run_dir)
         started = start_ray(cfg, run_dir)
     except BaseException:
         monitor.close("FAILED")
         raise
-    ctx = RunContext(cfg, run_dir, model_dir, blocks, f"asyncrl-{run_dir.name}", monitor, started_ray=started)
+    ctx = RunContext(cfg, run_dir, model_dir, source, f"asyncrl-{run_dir.name}", monitor, started_ray=started)
     ctx.resumed, ctx.optimizer_state, ctx.val_prompts = resumed, optimizer_state, val_prompts
     return ctx
 

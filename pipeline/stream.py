@@ -1,6 +1,9 @@
 """Wire the Ray Data stream from the config: source -> gate -> generate -> [reference logprobs] -> reward ->
 advantage -> sample log; and the step-level operation the training sink applies (advantage whitening).
 
+The source (`prompt_dataset`) reads the prompts lazily, paced by the gate's admissions: nothing of it grows with
+rollout.total_rollout_steps.
+
 Resources are set here, never inside a stage. Only this module reads stage specs from the config; the stages get
 plain constructor arguments.
 """
@@ -16,8 +19,11 @@ from typing import Any
 import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
+from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, check_signature, import_target, stage_kwargs
+from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
+from pipeline.tasks.source import PromptDataError
 from stages.advantage import ESTIMATORS, whiten_step
 from stages.gate import StalenessGate
 from stages.sample_log import SampleLog
@@ -131,7 +137,7 @@ def start_validation_engine(cfg: RunConfig, model_dir: str, clock: tuple[str, st
 
 
 def build_stream(
-    cfg: RunConfig, blocks: list[pa.Table], model_dir: str, run_dir: str, clock: tuple[str, str], version: int = 0
+    cfg: RunConfig, source: PromptSource, model_dir: str, run_dir: str, clock: tuple[str, str], version: int = 0
 ):
     """The lazy Ray Data dataset of scored samples; iterate it to run the stream. `version` labels model_dir."""
     clock_name, namespace = clock
@@ -145,7 +151,7 @@ def build_stream(
     )
     adv_cls, adv_kwargs = advantage_stage(cfg)
 
-    ds = ray.data.from_arrow(blocks)
+    ds = prompt_dataset(source, clock)
     ds = ds.map_batches(
         StalenessGate,
         fn_constructor_kwargs={"clock_name": clock_name, "namespace": namespace},
@@ -193,6 +199,85 @@ def build_stream(
     ds = ds.map_batches(reward_cls(**reward_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
     ds = ds.map_batches(adv_cls(**adv_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
     return ds.map_batches(SampleLog(f"{run_dir}/samples"), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
+
+
+def prompt_dataset(source: PromptSource, clock: tuple[str, str] | None = None) -> ray.data.Dataset:
+    """The source as Ray Data's input: blocks of `block_rows` prompts in admission order, then the end marker.
+
+    Ray Data merges what one task yields into blocks of `target_max_block_size` bytes, so the prompts come out of
+    one read task in joins of whole blocks just over that size (`super_chunks`: each leaves the task as it is
+    yielded) and a streaming repartition cuts them back into blocks of `block_rows`, where `PromptSource.blocks`
+    cuts them. Left alone, Ray Data would read as far ahead as its memory
+    budget allows (for a large file, minutes of tokenizing and many thousand blocks); the read task is `paced` by
+    the clock's admission count instead, at most two joins ahead of the gate. A second read task, read after the
+    first (one at a time), gives the end marker its own block, after every prompt. The read and the cut take no
+    CPU: they mostly wait, and a reserved CPU would be one fewer for the stages on a small machine.
+
+    `clock`: the VersionClock's (name, namespace); without one (a benchmark) the read is not paced.
+    """
+    from ray.data._internal.compute import TaskPoolStrategy
+    from ray.data._internal.logical.interfaces import LogicalPlan
+    from ray.data._internal.logical.operators import StreamingRepartition
+
+    # Over the target (whatever Ray adds to nbytes), and by less than one block: a task's output of 1.5x the target
+    # or more is sliced at arbitrary rows.
+    join_bytes = int(1.1 * DataContext.get_current().target_max_block_size)
+    datasource = _PromptDatasource(ray.put(source), join_bytes, clock)
+    ds = ray.data.read_datasource(datasource, override_num_blocks=2, num_cpus=0, concurrency=1)
+    # Dataset.repartition(target_num_rows_per_block=...) takes no compute or resources: one task at a time keeps the
+    # blocks in order (and the end marker last), num_cpus=0 as above.
+    cut = StreamingRepartition(
+        target_num_rows_per_block=source.block_rows,
+        input_dependencies=[ds._logical_plan.dag],
+        compute=TaskPoolStrategy(size=1),
+        ray_remote_args={"num_cpus": 0},
+    )
+    return ray.data.Dataset._from_parent(ds, LogicalPlan(cut, ds.context))
+
+
+class _PromptDatasource(ray.data.Datasource):
+    """Two read tasks: the source's prompts, then its end marker. The source travels as one object in the object
+    store (it holds the prompt file), not inside each task."""
+
+    def __init__(self, source_ref: ray.ObjectRef, join_bytes: int, clock: tuple[str, str] | None) -> None:
+        self.source_ref, self.join_bytes, self.clock = source_ref, join_bytes, clock
+
+    def get_name(self) -> str:
+        return "Prompts"
+
+    def estimate_inmemory_data_size(self) -> None:
+        return None
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context=None) -> list:
+        from ray.data.block import BlockMetadata
+        from ray.data.datasource import ReadTask
+
+        ref, join_bytes, clock = self.source_ref, self.join_bytes, self.clock
+
+        def prompts():
+            source = ray.get(ref)
+            try:
+                joins = super_chunks(source.chunks(), join_bytes, source.block_rows)
+                yield from paced(joins, _admission_count(clock, source))
+            except PromptDataError as err:
+                raise BadPromptRow(err.message) from None
+
+        unknown = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
+        return [ReadTask(prompts, unknown), ReadTask(lambda: [end_block()], unknown)]
+
+
+def _admission_count(clock: tuple[str, str] | None, source: PromptSource) -> Callable[[], int]:
+    """Prompts of `source` the gate has admitted so far; the clock's ledger also holds a resumed run's prior ones,
+    which are the ids the source skips."""
+    if clock is None:
+        return lambda: 1 << 62
+    actor, prior = ray.get_actor(clock[0], namespace=clock[1]), len(source.order.skip)
+    return lambda: ray.get(actor.stats.remote())["admitted_total"] - prior
+
+
+class BadPromptRow(PromptDataError, UserCodeException):
+    """A bad row the stream reached. Being a UserCodeException, Ray Data reports it as the data's fault (one line, no
+    internal traceback, no advice to file a Ray bug); the driver catches it as the PromptDataError it is."""
 
 
 def wait_for_executors(timeout_s: float = 120.0) -> None:

@@ -1,22 +1,26 @@
-"""Prompt source: read, validate and tokenize the prompt file once, then lay out the run's admission order.
+"""Prompt files: read one, check what can be checked in seconds, validate and tokenize rows when they are used.
 
-Everything that can be wrong with the data is found here, before Ray starts, and reported once with the file,
-the row, the column and the fix. Two formats are read as they are, told apart by their columns:
+Bad data is reported once with the file, the row, the column and the fix. Before the run spends anything (the warm
+start, Ray) `PromptFile` reads the file and checks that it exists and parses, has its format's columns and rows,
+that every agent_name is a registered loop, and, with Arrow's kernels over every row, that no row has a null, an
+empty string, an empty message list or a column of a type the rules refuse; the first `SAMPLE_ROWS` rows are then
+validated and tokenized in full. That takes seconds for a million rows, where tokenizing them all takes minutes. The
+other rows are validated and tokenized by `PromptFile.checked` when the stream reaches them
+(pipeline/tasks/admission.py), with the same rules and messages: a row that only tokenizing can find bad (too long,
+a chat template that refuses it) stops the run there, naming the file and the row.
+
+Two formats are read as they are, told apart by their columns:
 
 - flat: `prompt_text` (string, fed to the model as is), `ground_truth` (string or number), `data_source` (string);
 - verl's RL format (what verl's `examples/data_preprocess/*.py` write): `prompt` (a list of chat messages
   {"role", "content"}), `data_source`, `reward_model` (a struct with `ground_truth`, usually `style`); its
-  `extra_info` and any other column are ignored. The messages are rendered as verl renders them, with the
-  model's chat template and its generation prompt.
+  `extra_info` and any other column are ignored (and not kept in memory). The messages are rendered as verl renders
+  them, with the model's chat template and its generation prompt.
 
 Either format may have an `agent_name` column (verl's name for it) choosing the agent loop of each row
 (stages/agents); where it is missing or null, `rollout.agent.default_agent_loop` applies. A file with `prompt_text`
 is read as flat even if it also has `prompt`. Either way prompts are tokenized without
 added special tokens (a chat template writes its own), and a number as ground truth becomes its string.
-
-The stream then repeats the data over epochs (a fresh shuffle per epoch, seeded) until
-`rollout.total_rollout_steps` prompts have been laid out, in blocks of `prompts_per_call`; each admission gets a
-unique `prompt_id` ('e<epoch>-<row>') so the audit can match every admission to its consumption.
 """
 
 from __future__ import annotations
@@ -29,15 +33,16 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
-from schemas import END_OF_STREAM
 from schemas.sample import PROMPT_COLUMNS
-from stages.agents import UnknownAgentError, check_agent_name
+from stages.agents import AGENT_LOOP_NAMES, UnknownAgentError, check_agent_name
 
 REQUIRED = ("prompt_text", "ground_truth", "data_source")
 VERL_REQUIRED = ("prompt", "data_source", "reward_model")
+SAMPLE_ROWS = 1000  # rows validated and tokenized before the run starts; the others when the stream reaches them
 MESSAGES_HINT = 'a list of chat messages like [{"role": "user", "content": "..."}]'
 
 _TYPES = {c.name: c.type for c in PROMPT_COLUMNS}
@@ -45,6 +50,15 @@ _TYPES = {c.name: c.type for c in PROMPT_COLUMNS}
 
 class PromptDataError(ValueError):
     """The prompt file is missing or malformed; the message names the file, the row and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        # str() says this whatever is appended to args on the way up: Ray Data adds its retry advice to an error
+        # raised in a read task (a row the stream reached), which here is not transient.
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def read_prompt_file(path: str) -> pa.Table:
@@ -166,74 +180,145 @@ def _verl_row(row: dict[str, Any], where: str, tokenizer) -> dict[str, str]:
     return _flat_row({"prompt_text": text, "ground_truth": truth, "data_source": row["data_source"]}, where)
 
 
-def agent_names(table: pa.Table, path: str, default: str) -> list[str]:
-    """Each row's agent loop: its `agent_name` (either format, as verl's agent datasets have it), else `default`."""
-    names = table["agent_name"].to_pylist() if "agent_name" in table.column_names else [None] * table.num_rows
-    out = []
-    for i, name in enumerate(names):
+class PromptFile:
+    """A prompt file read into memory as it is (only the columns its format uses); rows are validated and tokenized
+    when `checked` asks for them, so a file of millions of rows opens in seconds and a run pays for the rows it uses.
+
+    `table` keeps the file's own columns: the required ones of its format and `agent_name` when present.
+    """
+
+    def __init__(self, path: str, tokenizer, max_prompt_length: int, default_agent_loop: str) -> None:
+        table = read_prompt_file(path)
+        self.required = _required_columns(table, path)
+        if table.num_rows == 0:
+            raise PromptDataError(f"data file {path} has no rows.")
+        keep = [*self.required, *(["agent_name"] if "agent_name" in table.column_names else [])]
+        # One chunk per column: a parquet file's row groups come back as slices of shared buffers, and a slice
+        # pickles (to the read task, through Ray's object store) with its whole buffer, 8x the table for 8 groups.
+        self.table = table.select(keep).combine_chunks()
+        self.path, self.tokenizer = path, tokenizer
+        self.max_prompt_length, self.default_agent_loop = max_prompt_length, default_agent_loop
+        self._check_agent_names()
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.num_rows
+
+    def check_up_front(self, sample_rows: int = SAMPLE_ROWS) -> PromptFile:
+        """What can be checked in seconds whatever the file's size, before anything is spent on the run: every row
+        Arrow's kernels find suspect (a null, an empty string, a column of the wrong type) goes through the row
+        rules, and the first `sample_rows` rows are validated and tokenized in full. Returns self."""
+        sample = np.arange(min(sample_rows, self.num_rows))
+        self._rule_checked(np.union1d(sample, _suspect_rows(self.table, self.required)))
+        self.checked(sample)
+        return self
+
+    def checked(self, rows: np.ndarray) -> pa.Table:
+        """The rows (numbers in the file), in this order, validated and tokenized: prompt_text, prompt_ids,
+        ground_truth, data_source, agent_name. A bad row raises PromptDataError naming the file and the row."""
+        rows = np.asarray(rows, np.int64)
+        checked = self._rule_checked(rows)
+        ids = []
+        for i, row in zip(rows.tolist(), checked, strict=True):
+            tokens = self.tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
+            if len(tokens) > self.max_prompt_length:
+                raise PromptDataError(
+                    f"data file {self.path}, row {i}: prompt has {len(tokens)} tokens, more than "
+                    f"data.max_prompt_length={self.max_prompt_length}. Raise the limit or shorten it."
+                )
+            ids.append(tokens)
+        return pa.table(
+            {
+                "prompt_text": pa.array([r["prompt_text"] for r in checked], pa.string()),
+                "prompt_ids": pa.array(ids, _TYPES["prompt_ids"]),
+                "ground_truth": pa.array([r["ground_truth"] for r in checked], pa.string()),
+                "data_source": pa.array([r["data_source"] for r in checked], pa.string()),
+                "agent_name": pa.array(self._agent_names(rows), pa.string()),
+            }
+        )
+
+    def _rule_checked(self, rows: np.ndarray) -> list[dict[str, str]]:
+        values = self.table.select(list(self.required)).take(pa.array(rows, pa.int64())).to_pylist()
+        out = []
+        for i, row in zip(rows.tolist(), values, strict=True):
+            where = f"data file {self.path}, row {i}"
+            out.append(
+                _verl_row(row, where, self.tokenizer) if self.required == VERL_REQUIRED else _flat_row(row, where)
+            )
+        return out
+
+    def _agent_names(self, rows: np.ndarray) -> list[str]:
+        if "agent_name" not in self.table.column_names:
+            return [self.default_agent_loop] * len(rows)
+        names = self.table["agent_name"].take(pa.array(rows, pa.int64())).to_pylist()
+        return [name or self.default_agent_loop for name in names]
+
+    def _check_agent_names(self) -> None:
+        """Each distinct agent_name once (the default where it is null or empty); a bad one is reported at its first
+        row, as a row-by-row pass would report it."""
+        has = "agent_name" in self.table.column_names
+        names = self.table["agent_name"] if has else pa.chunked_array([pa.nulls(self.num_rows)])
+        bad = [v for v in pc.unique(names).to_pylist() if (v or self.default_agent_loop) not in AGENT_LOOP_NAMES]
+        if not bad:
+            return
+        first = min(_first_row(names, v) for v in bad)
         try:
-            out.append(check_agent_name(name or default, f"data file {path}, row {i}, column 'agent_name'"))
+            check_agent_name(
+                names[first].as_py() or self.default_agent_loop,
+                f"data file {self.path}, row {first}, column 'agent_name'",
+            )
         except UnknownAgentError as err:
             raise PromptDataError(str(err)) from None
-    return out
+
+
+def _first_row(column: pa.ChunkedArray, value: Any) -> int:
+    if value is None:
+        return int(np.argmax(pc.is_null(column).to_numpy(zero_copy_only=False)))
+    return pc.index(column, value).as_py()
+
+
+def _suspect_rows(table: pa.Table, required: tuple[str, ...]) -> np.ndarray:
+    """Rows that may break a row rule, found with Arrow's kernels over the whole file in milliseconds: nulls, empty or
+    blank strings, an empty message list, a number that is not finite, a column of a type no rule accepts. The row
+    rules have the last word (and the exact message); what they reject that these miss is caught when the stream
+    reaches the row."""
+    suspect = np.zeros(table.num_rows, bool)
+    for name in required:
+        column = table[name]
+        if name == "ground_truth":
+            suspect |= _not_truth(column)
+        elif name == "reward_model":
+            has_truth = pa.types.is_struct(column.type) and column.type.get_field_index("ground_truth") >= 0
+            suspect |= _not_truth(pc.struct_field(column, "ground_truth")) if has_truth else True
+        elif name == "prompt":
+            is_list = pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
+            suspect |= _flags(pc.equal(pc.list_value_length(column), 0)) if is_list else True
+        else:  # prompt_text, data_source: non-empty strings
+            is_text = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+            suspect |= _flags(pc.equal(pc.utf8_trim_whitespace(column), "")) if is_text else True
+    return np.flatnonzero(suspect)
+
+
+def _not_truth(column: pa.ChunkedArray) -> np.ndarray | bool:
+    """Where a ground truth cannot be a string: null, a float that is not finite, a type that is neither."""
+    t = column.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t):
+        return _flags(pc.is_null(column))
+    if pa.types.is_floating(t):
+        return _flags(pc.invert(pc.is_finite(column)))
+    return True
+
+
+def _flags(mask: pa.ChunkedArray) -> np.ndarray:
+    """A boolean mask as numpy, null (a null input) counting as suspect."""
+    return pc.fill_null(mask, True).to_numpy(zero_copy_only=False)
 
 
 def load_prompts(
     path: str, tokenizer, max_prompt_length: int, default_agent_loop: str = "single_turn_agent"
 ) -> pa.Table:
-    """Validated prompts with token ids: prompt_text, prompt_ids, ground_truth, data_source, agent_name, row."""
-    table = read_prompt_file(path)
-    required = _required_columns(table, path)
-    if table.num_rows == 0:
-        raise PromptDataError(f"data file {path} has no rows.")
-    agents = agent_names(table, path, default_agent_loop)
-    rows = []
-    for i, row in enumerate(table.select(list(required)).to_pylist()):
-        where = f"data file {path}, row {i}"
-        rows.append(_verl_row(row, where, tokenizer) if required == VERL_REQUIRED else _flat_row(row, where))
-    ids = []
-    for i, row in enumerate(rows):
-        tokens = tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
-        if len(tokens) > max_prompt_length:
-            raise PromptDataError(
-                f"data file {path}, row {i}: prompt has {len(tokens)} tokens, more than "
-                f"data.max_prompt_length={max_prompt_length}. Raise the limit or shorten it."
-            )
-        ids.append(tokens)
-    return pa.table(
-        {
-            "prompt_text": pa.array([r["prompt_text"] for r in rows], pa.string()),
-            "prompt_ids": pa.array(ids, _TYPES["prompt_ids"]),
-            "ground_truth": pa.array([r["ground_truth"] for r in rows], pa.string()),
-            "data_source": pa.array([r["data_source"] for r in rows], pa.string()),
-            "agent_name": pa.array(agents, pa.string()),
-            "row": pa.array(range(len(rows)), pa.int64()),
-        }
-    )
-
-
-def admission_blocks(
-    prompts: pa.Table, total: int, block_rows: int, seed: int, skip: frozenset[str] = frozenset()
-) -> list[pa.Table]:
-    """The run's prompts in admission order, epoch after epoch, in blocks of `block_rows`, then the end marker.
-
-    `skip`: prompt ids already consumed before a checkpoint; a resumed run lays out the same order without them.
-    """
-    parts, laid_out, epoch = [], 0, 0
-    while laid_out < total:
-        order = np.random.default_rng(seed + epoch).permutation(prompts.num_rows)[: total - laid_out]
-        part = prompts.take(pa.array(order))
-        pids = [f"e{epoch}-{r:06d}" for r in part.column("row").to_pylist()]
-        parts.append(part.drop_columns(["row"]).add_column(0, "prompt_id", pa.array(pids, pa.string())))
-        laid_out += len(order)
-        epoch += 1
-    table = pa.concat_tables(parts).combine_chunks()
-    if skip:
-        table = table.filter(pa.array([pid not in skip for pid in table["prompt_id"].to_pylist()], pa.bool_()))
-    end = pa.table(
-        {
-            name: pa.array([END_OF_STREAM if name == "prompt_id" else None], table.schema.field(name).type)
-            for name in table.column_names
-        }
-    )
-    return [table.slice(i, block_rows) for i in range(0, table.num_rows, block_rows)] + [end]
+    """Every row validated and tokenized at once (held-out prompts, tests): prompt_text, prompt_ids, ground_truth,
+    data_source, agent_name, row."""
+    prompts = PromptFile(path, tokenizer, max_prompt_length, default_agent_loop)
+    rows = np.arange(prompts.num_rows)
+    return prompts.checked(rows).append_column("row", pa.array(rows, pa.int64()))

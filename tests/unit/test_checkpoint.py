@@ -8,7 +8,7 @@ import pytest
 
 from pipeline import checkpoint
 from pipeline.checkpoint import ResumeError
-from pipeline.tasks.source import admission_blocks
+from pipeline.tasks.admission import AdmissionOrder, prompt_id
 
 
 def _samples(prompts):
@@ -52,10 +52,12 @@ def test_rewind_moves_what_came_after_the_checkpoint(tmp_path):
 
 
 def test_cursor_skips_consumed_prompts_and_keeps_the_order():
-    prompts = pa.table({"prompt_text": [f"p{i}" for i in range(6)], "row": list(range(6))})
-    full = pa.concat_tables(admission_blocks(prompts, 8, 3, seed=1)[:-1])["prompt_id"].to_pylist()
+    def ids(order: AdmissionOrder) -> list[str]:
+        return [prompt_id(epoch, row) for epoch, rows in order.epochs() for row in rows.tolist()]
+
+    full = ids(AdmissionOrder(num_rows=6, total=8, seed=1))
     skip = frozenset(full[:3] + full[5:6])
-    rest = pa.concat_tables(admission_blocks(prompts, 8, 3, seed=1, skip=skip)[:-1])["prompt_id"].to_pylist()
+    rest = ids(AdmissionOrder(num_rows=6, total=8, seed=1, skip=skip))
     assert rest == [p for p in full if p not in skip]
 
 
