@@ -48,11 +48,6 @@ class RunContext:
     trainer: Any = None
 
     @property
-    def blocks(self) -> PromptSource:
-        """The name run.py passes to build_stream."""
-        return self.source
-
-    @property
     def start_step(self) -> int:
         return self.resumed.step if self.resumed else 0
 

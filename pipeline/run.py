@@ -49,7 +49,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
     clock = ctx.start_clock(budget)
     trainer = ctx.trainer = ctx.start_trainer()
     configure_data_context(cfg.ray.no_progress_timeout_s)
-    stream = build_stream(cfg, ctx.blocks, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle, ctx.start_version)
+    stream = build_stream(cfg, ctx.source, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle, ctx.start_version)
     sink = TrainingSink(
         iter(stream.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)),
         budget,
