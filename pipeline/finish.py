@@ -13,10 +13,12 @@ import pyarrow.parquet as pq
 import ray
 
 from pipeline import checkpoint
+from pipeline.config import ConfigError
 from pipeline.observe.audit import audit
 from pipeline.observe.faults import FaultLog
 from pipeline.observe.summary import format_summary, summarize
 from pipeline.stream import wait_for_executors
+from pipeline.tasks.source import PromptDataError
 from schemas import ADMITTED_SCHEMA
 
 
@@ -65,6 +67,17 @@ def trainer_death(err: BaseException, trainer) -> str | None:
     if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ray.exceptions.RayActorError):
         return f"a trainer rank died ({type(err.cause).__name__})"
     return None
+
+
+def restart_or_raise(ctx, err: Exception, restarts: int):
+    """After `err` ended an attempt: the config of the next attempt if the trainer died and can restart from a
+    checkpoint; else bad input as it is (the CLI reports it as at start-up), or RunFailed naming what failed."""
+    if isinstance(err, (ConfigError, PromptDataError)):
+        raise err
+    cause = trainer_death(err, ctx.trainer)
+    if cause is None:
+        raise failure(ctx, err) from err
+    return restart_from_checkpoint(ctx, cause, restarts)
 
 
 def restart_from_checkpoint(ctx, cause: str, restarts: int):

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from pipeline import checkpoint, sync
 from pipeline.config import RunConfig
-from pipeline.finish import failure, finish_run, interrupted, restart_from_checkpoint, trainer_death
+from pipeline.finish import finish_run, interrupted, restart_or_raise
 from pipeline.observe.faults import FaultLog
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import RunContext, prepare
@@ -34,10 +34,7 @@ def run(cfg: RunConfig) -> dict:
         except KeyboardInterrupt:
             raise interrupted(ctx) from None  # what was done, the monitor's run KILLED, how to resume
         except Exception as err:
-            cause = trainer_death(err, ctx.trainer)
-            if cause is None:
-                raise failure(ctx, err) from err  # one line naming what failed; the traceback in error.txt
-            cfg = restart_from_checkpoint(ctx, cause, restarts)  # resume=true in this run dir, or RunFailed
+            cfg = restart_or_raise(ctx, err, restarts)  # a dead trainer: resume=true from its checkpoint
             restarts += 1
         finally:
             ctx.shutdown()  # also on errors: a Ray we started must not outlive the run, the monitor marks it failed

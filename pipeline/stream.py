@@ -10,8 +10,10 @@ plain constructor arguments.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,16 @@ def start_validation_engine(cfg: RunConfig, model_dir: str, clock: tuple[str, st
     return ray.remote(gen_cls).options(num_cpus=1, num_gpus=gpus).remote(**gen_kwargs, validation_only=True)
 
 
+@contextlib.contextmanager
+def _restarts_by_keyword():
+    """Ray 2.60 takes an actor stage's `max_restarts` only as a keyword of map_batches, and warns that such keywords
+    are deprecated without naming a replacement for this one: silence that warning, and only it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        yield
+
+
+@_restarts_by_keyword()
 def build_stream(
     cfg: RunConfig, source: PromptSource, model_dir: str, run_dir: str, clock: tuple[str, str], version: int = 0
 ):
