@@ -174,7 +174,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path) -> tuple[Path, str]:
 
     d = cfg.data
     task = build_embedded(
-        run_dir, d.num_embedded_prompts, cfg.trainer.seed, d.num_embedded_val_prompts, d.embedded_task
+        run_dir, d.num_embedded_prompts, cfg.trainer.seed, d.num_embedded_val_prompts, d.embedded_task, cfg.model.arch
     )
     data = str(task.data_file) if cfg.data.train_files == "embedded" else cfg.data.train_files
     return task.model_dir, data
@@ -231,6 +231,17 @@ def check_context(cfg: RunConfig, model_dir: Path) -> None:
             f"data.max_prompt_length ({cfg.data.max_prompt_length}) + data.max_response_length "
             f"({cfg.data.max_response_length}) = {need} tokens, more than the model's {positions} positions "
             f"(max_position_embeddings in {model_dir / 'config.json'}). Lower one of the two."
+        )
+
+
+def check_moe(model_dir: Path) -> None:
+    """Routing replay needs a model with routers: said here, not by the engine inside its actor."""
+    config = json.loads((model_dir / "config.json").read_text())
+    experts = max(int(config.get(k) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if experts <= 0:
+        raise ConfigError(
+            f"rollout.enable_rollout_routing_replay needs a mixture-of-experts model; {model_dir / 'config.json'} "
+            "declares no experts (num_experts). Set rollout.enable_rollout_routing_replay=false."
         )
 
 
@@ -331,6 +342,8 @@ def prepare(cfg: RunConfig) -> RunContext:
             model_dir, data_file = prepare_model(cfg, run_dir)
         if cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate":
             check_context(cfg, model_dir)
+        if cfg.rollout.enable_rollout_routing_replay:
+            check_moe(model_dir)
         if cfg.trainer.backend == "megatron":
             check_megatron(cfg, model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -73,6 +73,8 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
             "sim": dataclasses.asdict(cfg.sim),  # for the simulated engine
             "default_agent_loop": ro.agent.default_agent_loop,
             "multi_turn": dataclasses.asdict(ro.multi_turn),
+            "enable_rollout_routing_replay": ro.enable_rollout_routing_replay,
+            "routed_experts_capture": ro.routed_experts_capture,
             # verl: partial rollout only takes effect with staleness; otherwise in-flight requests drain at a sync
             "pause_mode": cfg.async_training.partial_rollout_mode
             if cfg.async_training.partial_rollout and cfg.async_training.staleness_threshold > 0
@@ -134,6 +136,8 @@ def start_validation_engine(cfg: RunConfig, model_dir: str, clock: tuple[str, st
     """The dedicated validation engine (async_training.use_trainer_do_validate): one Generate actor outside the
     stream, with a CPU (and on a GPU cluster a GPU) of its own like a stream replica."""
     gen_cls, gen_kwargs = generate_stage(cfg, model_dir, clock, version)
+    if "enable_rollout_routing_replay" in gen_kwargs:  # nothing trains on validation samples: no routes to capture
+        gen_kwargs["enable_rollout_routing_replay"] = False
     gpus = engine_gpus(cfg, ray.cluster_resources().get("GPU", 0))
     return ray.remote(gen_cls).options(num_cpus=1, num_gpus=gpus).remote(**gen_kwargs, validation_only=True)
 

@@ -50,6 +50,7 @@ def validate(cfg: RunConfig) -> None:
             "stages.generate._target_=stages.generate.VLLMGenerate",
         ),
         (not cfg.resume or bool(cfg.trainer.run_name), "resume=true needs trainer.run_name naming the run to continue"),
+        *_routing_replay_checks(cfg),
         (
             cfg.rollout.total_rollout_steps >= at.require_batches * cfg.actor.ppo_mini_batch_size,
             "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)",
@@ -115,6 +116,23 @@ def _agent_checks(name: str) -> list[tuple[bool, str]]:
     except UnknownAgentError as err:
         return [(False, str(err))]
     return []
+
+
+def _routing_replay_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    if not cfg.rollout.enable_rollout_routing_replay:
+        return []
+    return [
+        (
+            cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate",
+            "rollout.enable_rollout_routing_replay captures routes in the vLLM engine: it needs "
+            "stages.generate._target_=stages.generate.VLLMGenerate",
+        ),
+        (
+            cfg.model.path != "embedded" or cfg.model.arch == "moe",
+            "rollout.enable_rollout_routing_replay needs an MoE model, and the embedded model is dense: set "
+            "model.arch=moe (or use conf/moe.yaml)",
+        ),
+    ]
 
 
 def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:

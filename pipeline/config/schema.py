@@ -193,6 +193,13 @@ class RolloutConfig:
     """Which agent loop generates a prompt's responses (verl's `rollout.agent`)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """tool_agent's limits and tools (verl's `rollout.multi_turn`)."""
+    enable_rollout_routing_replay: bool = False
+    """MoE models: the engines return the experts their routers chose for every token (the `routed_experts` column),
+    for the trainer to force the same routes (verl's rollout key of router replay R3)."""
+    routed_experts_capture: Literal["auto", "hook", "native"] = "auto"
+    """How the engines capture routes: 'native' is vLLM's enable_return_routed_experts (needs its Model Runner V2,
+    so a GPU; unverified here), 'hook' a capture function on every router in the engine worker (runs anywhere; turns
+    prefix caching off), 'auto' native on a GPU, else the hook."""
 
 
 @dataclass
@@ -221,6 +228,9 @@ class DataConfig:
 class ModelConfig:
     path: str = "embedded"
     """HF model directory, or 'embedded' to build the tiny random model and tokenizer into the run directory."""
+    arch: Literal["dense", "moe"] = "dense"
+    """The embedded model's architecture: 'dense' (Qwen2) or 'moe' (Qwen3-MoE, 4 experts, top-2). A model directory
+    says what it is in its config.json; this key does not apply to it."""
     warm_start_steps: int = 500
     """Supervised steps on the embedded task before RL (0 to skip); only for the embedded model."""
     warm_start_lr: float = 2e-3

@@ -1,12 +1,14 @@
-"""Audit a run from its logs alone: staleness bound, token versions, exactly-once consumption.
+"""Audit a run from its logs alone: staleness bound, token versions, exactly-once consumption, MoE route rows.
 
 Reads `<run>/samples` (every generated sample), `<run>/consumed` (what the trainer trained on, at which version),
-`<run>/admitted.parquet` (the gate's ledger) and `<run>/config.yaml` (for the bound). Nothing here trusts the
+`<run>/admitted.parquet` (the gate's ledger), `<run>/config.yaml` (for the bound) and the model's config.json (for
+the width of a route row). Nothing here trusts the
 process that produced the run: the verdict is recomputed from what is on disk.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +84,8 @@ def audit(run_dir: str | Path) -> AuditReport:
         _per_token_columns(samples),
         _exactly_once(consumed),
     ]
+    if "routed_experts" in samples.column_names and samples["routed_experts"].null_count < samples.num_rows:
+        report.checks.append(_route_rows(samples, route_width(run_dir)))
     report.checks.append(_admissions(admitted, consumed, report))
     return report
 
@@ -112,6 +116,43 @@ def _per_token_columns(samples: pa.Table) -> Check:
         "per-token columns line up",
         bad == 0,
         f"{bad} of {samples.num_rows} responses violate it; {masked} masked (tool) tokens",
+    )
+
+
+def route_width(run_dir: Path) -> int | None:
+    """layers * k of the run's model (a row of routed_experts), from its config.json; None if it cannot tell.
+
+    MoE layers follow the Qwen-MoE convention (every decoder_sparse_step-th layer, minus mlp_only_layers)."""
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    path = run_dir / "model" if cfg.model.path == "embedded" else Path(cfg.model.path)
+    try:
+        model = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    k, layers = model.get("num_experts_per_tok"), model.get("num_hidden_layers")
+    if not k or not layers:
+        return None
+    step, dense = model.get("decoder_sparse_step") or 1, set(model.get("mlp_only_layers") or [])
+    return k * sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
+def _route_rows(samples: pa.Table, width: int | None) -> Check:
+    """Samples with routes have one row per token of prompt + response but the last, each of layers * k expert ids
+    (one width for all when the model's config cannot tell it): routes appended on a resume would show here."""
+    bad = 0
+    widths: set[int] = set()
+    columns = ("prompt_ids", "response_ids", "routed_experts")
+    for prompt, response, routes in zip(*(samples[c].to_pylist() for c in columns), strict=True):
+        if routes is None:
+            continue
+        widths.update(len(r) for r in routes)
+        if len(routes) != len(prompt) + len(response) - 1 or any(len(r) != (width or len(routes[0])) for r in routes):
+            bad += 1
+    uniform = width is not None or len(widths) <= 1
+    return Check(
+        "routes: one row per context token",
+        bad == 0 and uniform,
+        f"{bad} of {samples.num_rows} responses violate it; row width {sorted(widths)}, model's {width or 'unknown'}",
     )
 
 

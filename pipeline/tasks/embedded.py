@@ -16,6 +16,8 @@ The pipeline must run end to end on a 2-core laptop with no network, so `model.p
   encodable. 291 ids.
 - Model: a random-init Qwen2 (an architecture both HF and vLLM serve), 2 layers, hidden 128, head_dim 32 (vLLM's
   CPU attention needs 32, 64, 80, ... 128), 0.47M parameters, float32 safetensors, untied embeddings.
+  `model.arch=moe` builds a Qwen3-MoE of the same depth and width instead: each layer's MLP is 4 experts of 192 with
+  top-2 routing (vLLM's CPU MoE kernel needs the hidden and expert sizes to be multiples of 32), 0.76M parameters.
 
 pipeline/tasks/warmstart.py then trains the format and the circuit, leaving the sampled reward low for RL to raise.
 """
@@ -52,6 +54,11 @@ MAX_POSITIONS = 256
 # Wider than HF's 0.02 default (1/sqrt(128) is 0.088). Measured: with 0.02 the warm start sat on its loss
 # plateau for 800 steps; with 0.05 the reversal circuit forms in 200-500 steps, i.e. in 10-25 s.
 INIT_STD = 0.05
+# model.arch=moe: every layer's MLP is a router over NUM_EXPERTS SwiGLU experts, TOP_K of them per token.
+NUM_EXPERTS = 4
+TOP_K = 2
+MOE_INTERMEDIATE_SIZE = 192
+ARCHS = ("dense", "moe")
 
 
 @dataclass(frozen=True)
@@ -129,12 +136,15 @@ def build_tokenizer(out_dir: Path, seed: int, corpus: list[str] | None = None):
     return hf_tok
 
 
-def build_model(out_dir: Path, vocab_size: int, seed: int) -> None:
-    """Save a random-init float32 Qwen2 of the embedded shape to out_dir (safetensors)."""
+def build_model(out_dir: Path, vocab_size: int, seed: int, arch: str = "dense") -> None:
+    """Save a random-init float32 model of the embedded shape to out_dir (safetensors): a Qwen2 ('dense') or a
+    Qwen3-MoE ('moe')."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
-    config = Qwen2Config(
+    if arch not in ARCHS:
+        raise ValueError(f"model.arch must be one of {ARCHS}, not {arch!r}")
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=INTERMEDIATE_SIZE,
@@ -148,9 +158,24 @@ def build_model(out_dir: Path, vocab_size: int, seed: int) -> None:
         pad_token_id=PAD_ID,
         dtype="float32",
     )
+    if arch == "moe":
+        from transformers import Qwen3MoeConfig as Config
+        from transformers import Qwen3MoeForCausalLM as Model
+
+        # norm_topk_prob as in Qwen3-30B-A3B: the chosen experts' weights sum to 1.
+        common |= dict(
+            head_dim=HIDDEN_SIZE // NUM_HEADS,
+            num_experts=NUM_EXPERTS,
+            num_experts_per_tok=TOP_K,
+            moe_intermediate_size=MOE_INTERMEDIATE_SIZE,
+            norm_topk_prob=True,
+        )
+    else:
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
     with torch.random.fork_rng():  # seed the init without moving the caller's global RNG
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = Model(Config(**common)).to(torch.float32)
     # Only the ids: sampling defaults here (e.g. top_k) would silently change what vLLM samples.
     model.generation_config = GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -164,10 +189,11 @@ def write_rows(rows: list[dict], path: Path) -> None:
 
 
 def build_embedded(
-    run_dir: Path, num_prompts: int, seed: int, num_val_prompts: int = 64, task: str = "reverse"
+    run_dir: Path, num_prompts: int, seed: int, num_val_prompts: int = 64, task: str = "reverse", arch: str = "dense"
 ) -> EmbeddedTask:
     """Build tokenizer + model into run_dir/model, the prompts into run_dir/data/train.parquet and held-out ones
-    into run_dir/data/val.parquet. `task`: 'reverse' (this module) or 'calc' (pipeline/tasks/embedded_calc.py)."""
+    into run_dir/data/val.parquet. `task`: 'reverse' (this module) or 'calc' (pipeline/tasks/embedded_calc.py);
+    `arch`: 'dense' or 'moe' (build_model)."""
     from pipeline.tasks import embedded_calc
 
     if task not in ("reverse", "calc"):
@@ -178,7 +204,7 @@ def build_embedded(
     model_dir.mkdir(parents=True, exist_ok=True)
     corpus = embedded_calc.corpus(TOKENIZER_CORPUS_ROWS, seed) if task == "calc" else None
     tokenizer = build_tokenizer(model_dir, seed, corpus)
-    build_model(model_dir, len(tokenizer), seed)
+    build_model(model_dir, len(tokenizer), seed, arch)
     data_file = run_dir / "data" / "train.parquet"
     # A different stream from the tokenizer corpus (seed + 1): the data set is not the BPE training text.
     train = rows_of(num_prompts, seed + 1)

@@ -11,6 +11,10 @@ stage and a loop is pure control flow that a fake engine can test. Loops are reg
 Resuming after a sync is the same for every loop (`generate_resumable`): a request the engine aborted at a sync
 keeps its tokens and is resubmitted as context + partial tokens with the remaining budget; the engine's version
 labels say which weights sampled each token.
+
+MoE routes (rollout routing replay): every engine request returns the routes of its whole context, so a trajectory's
+routes are always its latest request's, replaced and never appended (a resumed request, a new turn). Routes of tokens
+that no request has fed yet (tool results that end a trajectory) come from one more request (`complete_routes`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import numpy as np
 
 # name -> "module:Class"; imported on first use, so reading the names costs nothing (config checks, the source).
 _REGISTRY = {
@@ -55,6 +61,9 @@ class Segment:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str  # 'stop', 'length' or 'abort' (a sync interrupted it)
+    # The MoE routes of the request's context (its input and tokens but the last), (rows, layers * k) uint8; None
+    # without route capture. An aborted request's may stop short, in its prefill.
+    routes: np.ndarray | None = None
 
 
 class AgentEngine(Protocol):
@@ -84,6 +93,12 @@ class Trajectory:
     turns: list[dict[str, Any]] = field(default_factory=list)
     num_resumes: int = 0
     finish_reason: str = "stop"
+    routes: np.ndarray | None = None  # the latest request's routes (Segment.routes): never appended to
+
+    @property
+    def num_route_rows(self) -> int:
+        """Rows of routes the trajectory needs: one per token of prompt + response but the last."""
+        return max(len(self.prompt_ids) + len(self.tokens) - 1, 0)
 
     @property
     def context(self) -> list[int]:
@@ -94,6 +109,8 @@ class Trajectory:
         self.logprobs += seg.logprobs
         self.versions += seg.versions
         self.mask += [1] * len(seg.tokens)
+        if seg.routes is not None:  # the request's context is this trajectory's: its routes replace ours
+            self.routes = seg.routes
 
     def add_appended(self, tokens: list[int], version: int) -> None:
         """Tokens the loop wrote (tool results): no loss, logprob 0, the version current now.
@@ -118,6 +135,22 @@ async def generate_resumable(
     while out.finish_reason == "abort":
         resumes += 1
         seg = await engine.segment(context + out.tokens, max_tokens - len(out.tokens), f"{request_id}#{resumes}")
-        out = Segment(out.tokens + seg.tokens, out.logprobs + seg.logprobs, out.versions + seg.versions, "")
+        # The resubmitted request recomputed the whole context: its routes replace the aborted one's.
+        out = Segment(out.tokens + seg.tokens, out.logprobs + seg.logprobs, out.versions + seg.versions, "", seg.routes)
         out.finish_reason = seg.finish_reason
     return out, resumes
+
+
+async def complete_routes(engine: AgentEngine, traj: Trajectory, request_id: str) -> None:
+    """Give the trajectory routes for every token but the last, when it has routes at all.
+
+    Tokens the loop appended after its last request (tool results that end it) were never fed to the model: one more
+    request on the context without its last token, for one token that is thrown away, computes every row (and fits
+    the engine's max_model_len whenever the trajectory does). Its rows come from the weights loaded now."""
+    need = traj.num_route_rows
+    if traj.routes is None or len(traj.routes) == need:
+        return
+    if len(traj.routes) > need:
+        raise RuntimeError(f"{request_id}: {len(traj.routes)} rows of routes for a context of {need + 1} tokens")
+    seg, _ = await generate_resumable(engine, traj.context[:-1], 1, request_id)
+    traj.routes = seg.routes[:need]

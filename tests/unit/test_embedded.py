@@ -100,6 +100,21 @@ def test_build_embedded_gives_a_loadable_model(task, tokenizer):
     assert table.column_names == ["prompt_text", "ground_truth", "data_source"] and table.num_rows == 64
 
 
+def test_the_moe_model_fits_vllm_cpu_experts(tmp_path, tokenizer):
+    """model.arch=moe: a Qwen3-MoE whose hidden and expert sizes vLLM's CPU MoE kernel takes (multiples of 32)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.tasks.embedded import build_model
+
+    build_model(tmp_path, len(tokenizer), seed=0, arch="moe")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    cfg = model.config
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and (cfg.num_experts, cfg.num_experts_per_tok) == (4, 2)
+    assert cfg.hidden_size % 32 == 0 and cfg.moe_intermediate_size % 32 == 0 and cfg.head_dim == 32
+    with pytest.raises(ValueError, match="model.arch must be one of"):
+        build_model(tmp_path, len(tokenizer), seed=0, arch="sparse")
+
+
 def test_build_embedded_is_deterministic(task, tmp_path):
     again = build_embedded(tmp_path, num_prompts=64, seed=3)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):

@@ -1,0 +1,80 @@
+"""Route capture's cost: generated tokens per second of one vLLM engine serving the embedded MoE model, with the
+router hook that captures routes for routing replay (and the stage fetching every request's rows) and without it.
+
+One engine, the same 64 prompts x 64 tokens each round, rounds alternating between capture on and off, so the
+machine's background load falls on both alike; the median round of each is reported. The engine runs without prefix
+caching in both (the hook needs it off); what prefix caching would save besides depends on how much prompt the
+requests share (a GRPO group shares its prompt).
+
+    python -m bench.routes          # about 2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS, TOKENS, ROUNDS = 64, 128, 8
+
+
+def rounds(gen, prompts: list[list[int]]) -> dict[bool, list[float]]:
+    """Tokens per second of each round, by whether capture was on; rounds alternate, the first of each uncounted."""
+    capture = gen.route_capture
+
+    async def one_round(tag: str) -> float:
+        start = time.perf_counter()
+        segs = await asyncio.gather(*(gen.segment(p, TOKENS, f"{tag}-{i}") for i, p in enumerate(prompts)))
+        return sum(len(s.tokens) for s in segs) / (time.perf_counter() - start)
+
+    def measure(on: bool, tag: str) -> float:
+        gen.route_capture = capture if on else None
+        gen._run(gen.engine.collective_rpc("start_route_capture" if on else "stop_route_capture"))
+        return gen._run(one_round(tag))
+
+    measure(True, "warm-on")
+    measure(False, "warm-off")
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(ROUNDS):
+        for on in (r % 2 == 0, r % 2 == 1):
+            rates[on].append(measure(on, f"{r}-{on}"))
+    return rates
+
+
+def main() -> None:
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from pipeline.tasks.embedded import build_embedded
+    from stages.generate import VLLMGenerate
+
+    task = build_embedded(Path(tempfile.mkdtemp(prefix="asyncrl-bench-routes-")), 200, seed=0, arch="moe")
+    tokenizer = AutoTokenizer.from_pretrained(task.model_dir)
+    gen = VLLMGenerate(
+        str(task.model_dir),
+        "",
+        "",
+        n=1,
+        max_tokens=TOKENS,
+        max_model_len=192,
+        validation_only=True,
+        ignore_eos=True,
+        enable_rollout_routing_replay=True,
+        routed_experts_capture="hook",
+    )
+    rows = pq.read_table(task.data_file).to_pylist()[:PROMPTS]
+    rates = rounds(gen, [tokenizer(r["prompt_text"], add_special_tokens=False)["input_ids"] for r in rows])
+    del gen  # the engine shuts down now, not while the interpreter exits
+    gc.collect()
+    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+    print(f"{'route capture':<16} {'tokens/s (median)':>18}  rounds")
+    print(f"{'off':<16} {off:>18.0f}  {', '.join(f'{x:.0f}' for x in rates[False])}")
+    print(f"{'on (hook)':<16} {on:>18.0f}  {', '.join(f'{x:.0f}' for x in rates[True])}")
+    print(f"capture costs {100 * (1 - on / off):.1f}% of the throughput ({PROMPTS} prompts x {TOKENS} tokens)")
+
+
+if __name__ == "__main__":
+    main()
