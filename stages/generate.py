@@ -31,17 +31,18 @@ engine request, which always covers the whole context: replaced, never appended,
 abort or an agent loop starts a new turn. In `keep` mode the frozen request's earlier rows were computed by the old
 weights and its later ones by the new: its rows mix weight versions, as its tokens do. So do the rows of tool
 results that end a trajectory (computed afterwards, by the weights loaded then; stages.agents.complete_routes).
+
+A replica whose engine dies ends its own process; Ray restarts it and retries its calls, and the restarted replica
+joins again with the newest weights before it takes them (pipeline/clock.py says how).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -51,6 +52,7 @@ from schemas import SAMPLE_SCHEMA, require_columns
 from schemas.sample import GATE_COLUMNS, GENERATE_COLUMNS, PROMPT_COLUMNS, ROUTING_COLUMNS
 from stages.agents import Segment, agent_loop_class, check_agent_name, complete_routes
 from stages.engine_busy import EngineBusy
+from stages.vllm_engine import engine_dead, engine_pids, eos_token_id, expand_spans, on_gpu
 from stages.vllm_routes import make_route_capture
 
 _IN_COLUMNS = [c.name for c in PROMPT_COLUMNS + GATE_COLUMNS]
@@ -60,16 +62,6 @@ _OUT_SCHEMA = pa.schema([SAMPLE_SCHEMA.field(c) for c in _OUT_COLUMNS])
 
 # The `replica` of the dedicated validation engine's samples; the stream's replicas count from 0.
 VALIDATION_REPLICA = -1
-
-
-def _eos_token_id(model_dir: str) -> int:
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.exists():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return eos[0] if isinstance(eos, list) else int(eos)
-    raise ValueError(f"{model_dir} declares no eos_token_id in generation_config.json or config.json")
 
 
 class VLLMGenerate:
@@ -108,7 +100,7 @@ class VLLMGenerate:
         actor_id = "" if validation_only else ray.get_runtime_context().get_actor_id() or ""
         self.replica = VALIDATION_REPLICA if validation_only else ray.get(self.clock.reserve_replica.remote(actor_id))
         self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
-        self.eos = _eos_token_id(model_dir)
+        self.eos = eos_token_id(model_dir)
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', not {pause_mode!r}")
         self.pause_mode = pause_mode  # what a sync does to in-flight requests (module docstring)
@@ -122,10 +114,10 @@ class VLLMGenerate:
         threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
         engine_seed = seed + (self.replica if self.replica >= 0 else 1_000_003)  # the dedicated one samples apart
         engine_kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=engine_seed)
-        if _on_gpu():
+        if on_gpu():
             engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.route_capture = (
-            make_route_capture(routed_experts_capture, _on_gpu()) if enable_rollout_routing_replay else None
+            make_route_capture(routed_experts_capture, on_gpu()) if enable_rollout_routing_replay else None
         )
         if self.route_capture is not None:
             engine_kwargs |= self.route_capture.engine_args()
@@ -138,17 +130,12 @@ class VLLMGenerate:
         """Become a member of the stream's replicas, with the newest weights; after a restart (Ray restarts a
         replica whose process died) the same replica, which then regenerates the prompts it had in flight."""
         node = ray.get_runtime_context().get_node_id()
-        reg = ray.get(self.clock.register_replica.remote(actor_id, os.getpid(), node, self._engine_pids()))
+        reg = ray.get(self.clock.register_replica.remote(actor_id, os.getpid(), node, engine_pids(self.engine)))
         version, url = reg["weights"]
         if version != self.loaded:  # a restart: never serve the initial weights under a newer version's name
             self._run(self._load_file(version, url))
         # Messages from here on: the ones before were for the process this one replaces.
         self.control = asyncio.run_coroutine_threadsafe(self._control_loop(reg["seq"]), self.loop)
-
-    def _engine_pids(self) -> list[int]:
-        """The engine-core processes (one per engine with the uni executor), for processes.json."""
-        manager = getattr(getattr(self.engine.engine_core, "resources", None), "engine_manager", None)
-        return [p.pid for p in getattr(manager, "processes", [])]
 
     async def _load_file(self, version: int, url: str) -> None:
         await self.engine.collective_rpc("load_weights_file", args=(url,))
@@ -195,7 +182,7 @@ class VLLMGenerate:
         try:
             out_rows = await asyncio.wrap_future(future)
         except Exception as err:
-            if _engine_dead(err):
+            if engine_dead(err):
                 self._exit(f"its vLLM engine died ({type(err).__name__})")
             raise
         self.clock.generated.remote(self.replica, prompt_ids)
@@ -255,7 +242,7 @@ class VLLMGenerate:
     # --- what an agent loop may ask of the stage (stages.agents.AgentEngine) -----------------------------------
     async def segment(self, context: list[int], max_tokens: int, request_id: str) -> Segment:
         tokens, logprobs, spans, finish, routes = await self._segment(context, max_tokens, request_id)
-        return Segment(tokens, logprobs, _expand_spans(spans, len(tokens), request_id), finish, routes)
+        return Segment(tokens, logprobs, expand_spans(spans, len(tokens), request_id), finish, routes)
 
     def current_version(self) -> int:
         return self.loaded
@@ -319,7 +306,7 @@ class VLLMGenerate:
             try:
                 payload = await handler(msg)
             except Exception as err:
-                if _engine_dead(err):
+                if engine_dead(err):
                     await asyncio.to_thread(self._exit, f"its vLLM engine died ({type(err).__name__})")
                 payload = {"replica": self.replica, "failed": f"{type(err).__name__}: {err}"}
             self.clock.ack.remote(seen, self.replica, payload)
@@ -369,7 +356,7 @@ class VLLMGenerate:
             "ground_truth": row["ground_truth"],
             "response_text": self.tokenizer.decode(tokens, skip_special_tokens=True),
             "num_tokens": len(tokens),
-            "token_param_version": _expand_spans(spans, len(tokens), sample_id),
+            "token_param_version": expand_spans(spans, len(tokens), sample_id),
             "finish_reason": finish,
             "replica": self.replica,
             "started_time": start,
@@ -392,7 +379,7 @@ class VLLMGenerate:
         try:
             return await self._paused_swap(version, rpc, args)
         except Exception as err:
-            if _engine_dead(err) or rpc != "receive_weights":
+            if engine_dead(err) or rpc != "receive_weights":
                 raise
             # The trainer gave up on this broadcast (a replica died during it) and closed the group, and it will
             # form the group again and repeat the push: stay paused, weights half loaded, until then.
@@ -428,34 +415,3 @@ class VLLMGenerate:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-
-def _engine_dead(err: BaseException) -> bool:
-    """Whether `err` says the engine core process is gone (vLLM's EngineDeadError), at any depth of causes."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    while err is not None:
-        if isinstance(err, EngineDeadError):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def _on_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _expand_spans(spans: Any, num_tokens: int, sample_id: str) -> list[int]:
-    """Per-token versions from the engine's [(version, start, end)] spans."""
-    if num_tokens == 0:
-        return []
-    if not spans:
-        raise RuntimeError(f"{sample_id}: the engine reported no weight version for its tokens")
-    versions: list[int] = []
-    for span in spans:
-        versions.extend([int(span.version)] * (span.end - span.start))
-    if len(versions) != num_tokens:
-        raise RuntimeError(f"{sample_id}: version spans cover {len(versions)} tokens, the response has {num_tokens}")
-    return versions

@@ -119,9 +119,15 @@ def _agent_checks(name: str) -> list[tuple[bool, str]]:
 
 
 def _routing_replay_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    replay = (
+        cfg.actor.router_replay.mode != "R3" or cfg.rollout.enable_rollout_routing_replay,
+        "actor.router_replay.mode=R3 trains with the engine's routes: set rollout.enable_rollout_routing_replay=true "
+        "(verl asks for both), or actor.router_replay.mode=disabled",
+    )
     if not cfg.rollout.enable_rollout_routing_replay:
-        return []
+        return [replay]
     return [
+        replay,
         (
             cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate",
             "rollout.enable_rollout_routing_replay captures routes in the vLLM engine: it needs "
