@@ -143,8 +143,14 @@ def test_routes_are_padded_to_the_context_with_no_route():
 
 def test_router_replay_keys_are_verls():
     assert load_config(None).actor.policy().router_replay.mode == "disabled"
-    cfg = load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R3"])
+    both = [
+        "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+    ]
+    cfg = load_config(None, [*both, "model.arch=moe"])
     assert cfg.actor.policy().router_replay.active
+    with pytest.raises(ConfigError, match=r"router_replay.mode=R3 .*set rollout.enable_rollout_routing_replay=true"):
+        load_config(None, both[:1])
     with pytest.raises(ConfigError, match=r"mode='R2' is not supported.*'R3' replays the engine's routes"):
         load_config(None, ["actor.router_replay.mode=R2"])
     with pytest.raises(ConfigError, match=r"Did you mean 'mode'"):
