@@ -72,7 +72,7 @@ class Validator:
         """`cfg`: the RunConfig. `engine`: the dedicated validation engine, if any; the trainer then writes each
         validated version to `weight_sync.store` for it."""
         ro = cfg.rollout
-        self.clock, self.prompts, self.test_freq = clock, prompts, ro.test_freq
+        self.clock, self.prompts, self.test_freq, self.replicas = clock, prompts, ro.test_freq, ro.num_replicas
         self.kwargs = {
             **dataclasses.asdict(ro.val_kwargs),
             "parallel": cfg.async_training.parallel_validate_and_rollout,
@@ -101,6 +101,10 @@ class Validator:
         rows = self.prompts.select(["prompt_id", "prompt_ids", "prompt_text", "ground_truth", "data_source"])
         message = {"kind": "validate", "version": version, "rows": rows.to_pylist(), **self.kwargs}
         if self.engine is None:
+            # The replicas that are members when it is posted share it: before the first step, wait for them.
+            joined = ray.get(self.clock.wait_replicas.remote(600.0))
+            if joined < self.replicas:
+                raise RuntimeError(f"only {joined} of {self.replicas} Generate replicas started within 600 s")
             self.pending.append((ray.get(self.clock.post.remote(message)), version))
             return {}
         start = time.monotonic()

@@ -136,6 +136,14 @@ class VLLMGenerate:
             self._run(self._load_file(version, url))
         # Messages from here on: the ones before were for the process this one replaces.
         self.control = asyncio.run_coroutine_threadsafe(self._control_loop(reg["seq"]), self.loop)
+        self.watchdog = asyncio.run_coroutine_threadsafe(self._watch_engine(), self.loop)
+
+    async def _watch_engine(self) -> None:
+        """End this replica once its engine core is dead, whatever it was doing: a call into a dead engine (the
+        weight load of a sync, say) may never return, and an idle replica would notice only at its next request."""
+        while not self.engine.errored:
+            await asyncio.sleep(1.0)
+        await asyncio.to_thread(self._exit, "its vLLM engine died (EngineDeadError)")
 
     async def _load_file(self, version: int, url: str) -> None:
         await self.engine.collective_rpc("load_weights_file", args=(url,))

@@ -27,6 +27,12 @@ def _wait_for_steps(metrics: Path, proc: subprocess.Popen, err_log: Path, steps:
     pytest.fail(f"no {steps} steps in {timeout_s} s")
 
 
+def _signal_state(pid: int) -> str:
+    """The process's ignored, blocked and caught signal masks, as the kernel reports them."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return ", ".join(line for line in lines if line.startswith(("SigIgn", "SigBlk", "SigCgt")))
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_with_one_line_marks_the_run_killed_and_leaves_nothing(tmp_path):
     run_dir = tmp_path / "ctrl-c"
@@ -40,9 +46,13 @@ def test_ctrl_c_stops_with_one_line_marks_the_run_killed_and_leaves_nothing(tmp_
             _wait_for_steps(run_dir / "metrics.jsonl", proc, err_log, steps=3, timeout_s=240)
             started = psutil.Process(proc.pid).children(recursive=True)  # Ray's processes and its workers
             assert started, "a running job has child processes (Ray)"
+            signals = _signal_state(proc.pid)  # for the message below, should SIGINT not stop it
             sent = time.monotonic()
             proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"SIGINT did not stop the run in 60 s; its signal state: {signals}")
             took = time.monotonic() - sent
         finally:
             if proc.poll() is None:
