@@ -7,7 +7,7 @@ which prompts each has in flight, and every restart with its cause.
 
 A replica is a Ray Data actor, which Ray restarts when it dies (its process, or its engine, which makes the
 replica exit) and whose calls in flight Ray then retries on the restarted actor. The restarted replica registers
-again under the same actor id: it keeps its replica index, loads the newest weights (`weights()`), and regenerates
+again under the same actor id: it keeps its replica index, loads the newest weights from the store, and regenerates
 the prompts it had in flight, which the gate admitted once and never admits again. A message waits only for the
 acknowledgements of the replicas it was posted to that are still alive: a dead replica never holds up a sync.
 
@@ -111,11 +111,8 @@ class VersionClock:
         return seq
 
     async def newest_published(self) -> tuple[int, str]:
-        return self.newest
-
-    async def weights(self) -> tuple[int, str]:
-        """What a restarted replica loads: the newest version in the store and its file ("" for the model
-        directory, which the replica started from). Ahead of the clock's version only while a sync finishes."""
+        """The newest version in the store and its file ("" for the model directory): what a pull loads, and
+        what a restarted replica loads (register_replica hands it out too)."""
         return self.newest
 
     # --- control channel to the Generate replicas -------------------------------------------------------
