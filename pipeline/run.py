@@ -67,8 +67,6 @@ def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
     faults = FaultLog(ctx.run_dir, restarts, ray.get(trainer.__ray_call__.remote(lambda _: os.getpid())))
     syncer = sync.make_syncer(cfg, trainer, clock, ctx.run_dir)  # push (verl) or pull (a parameter store)
     validator = make_validator(cfg, ctx, clock, trainer)  # held-out prompts at sync points
-    if cfg.trainer.val_before_train:
-        validator.start(version)
     try:
         first = ctx.start_step + 1  # a resumed run continues the step numbering
         bar = tqdm(range(first, total_steps + 1), desc="train steps", unit="step", initial=first - 1, total=total_steps)
@@ -76,6 +74,8 @@ def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
             batch = sink.next_step(version, steps_left_after_this=k - 1 - (step - 1) % k)
             if batch is None:
                 break
+            if step == first and cfg.trainer.val_before_train:  # the stream runs now, so its replicas are starting
+                validator.start(version)
             metrics = ray.get(trainer.train_step.remote(batch.minibatches(cfg.actor.ppo_mini_batch_size)))
             sink.record(batch, version, step)
             ray.get(clock.consumed.remote([g["prompt_id"][0].as_py() for g in batch.groups]))

@@ -80,6 +80,7 @@ class Validator:
         self.engine, self.trainer = engine, trainer
         self.store = f"{store_root(cfg.weight_sync.store, run_dir)}/validation"
         self.out = Path(run_dir) / "validation"
+        self.posted = False  # a pass has been posted to the replicas (so they have all joined once)
         self.pending: list[tuple[Any, int]] = []  # (message seq, or the dedicated engine's ObjectRef; version)
         crf = cfg.custom_reward_function  # validation scores as training does
         self.score = Reward(custom_path=crf.path, custom_name=crf.name, reward_kwargs=dict(crf.reward_kwargs))
@@ -101,10 +102,12 @@ class Validator:
         rows = self.prompts.select(["prompt_id", "prompt_ids", "prompt_text", "ground_truth", "data_source"])
         message = {"kind": "validate", "version": version, "rows": rows.to_pylist(), **self.kwargs}
         if self.engine is None:
-            # The replicas that are members when it is posted share it: before the first step, wait for them.
-            joined = ray.get(self.clock.wait_replicas.remote(600.0))
+            # The replicas that are members when it is posted share it: the first time, wait until all have joined
+            # (they start with the stream, so never before its first batch).
+            joined = self.replicas if self.posted else ray.get(self.clock.wait_replicas.remote(600.0))
             if joined < self.replicas:
                 raise RuntimeError(f"only {joined} of {self.replicas} Generate replicas started within 600 s")
+            self.posted = True
             self.pending.append((ray.get(self.clock.post.remote(message)), version))
             return {}
         start = time.monotonic()
