@@ -33,15 +33,22 @@ from stages.engine_busy import idle_ratio
 TIMEOUT_S = 600.0
 
 
-def connect(trainer, clock, members: list[int]) -> None:
+def connect(trainer, clock, members: list[int], timeout_s: float) -> bool:
     """Form the private weight-sync group of the trainer (rank 0) and the replicas `members` (ranks 1..), the
-    group before it, if any, closed on both sides."""
+    group before it, if any, closed on both sides. False if it did not form within `timeout_s` (a member died while
+    joining; the others gave up too, after the same timeout)."""
     ranks = {r: i + 1 for i, r in enumerate(members)}
-    group = ray.get(trainer.open_weight_sync.remote(len(members) + 1))
+    group = ray.get(trainer.open_weight_sync.remote(len(members) + 1, timeout_s))
     message = {"kind": "init_group", "world_size": len(members) + 1, "ranks": ranks, **group}
     seq = ray.get(clock.post.remote(message, members))
-    ray.get(trainer.wait_weight_sync.remote())
-    ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))
+    try:
+        ray.get(trainer.wait_weight_sync.remote())
+    except ray.exceptions.RayTaskError as err:  # the trainer is alive; a member never joined
+        print(f"asyncrl: forming the weight-sync group with replicas {members} failed ({err.cause!r}); again")
+        ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))  # the live members' rendezvous end with the same timeout
+        return False
+    acks = ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))
+    return not any("failed" in a for a in acks)
 
 
 def push(trainer, clock, version: int, members: list[int]) -> tuple[list[dict], dict] | None:
@@ -78,15 +85,19 @@ class Push:
     the stream runs) and again whenever a replica was restarted. With `snapshots`, each pushed version is also
     written to the store, for a restarted replica to load (the trainer's weights have moved on by then)."""
 
-    def __init__(self, trainer, clock, num_replicas: int, run_dir: Path, snapshots: str = "") -> None:
+    def __init__(
+        self, trainer, clock, num_replicas: int, run_dir: Path, snapshots: str = "", connect_timeout_s: float = 30.0
+    ) -> None:
         self.trainer, self.clock, self.num_replicas = trainer, clock, num_replicas
+        self.connect_timeout_s = connect_timeout_s
         self.group: dict[int, int] = {}  # the group's replicas: index -> generation
         self.started = False
         self.log = Path(run_dir) / "weight_loads.jsonl"
         self.snapshots = Snapshots(snapshots) if snapshots else None
 
-    def connect(self) -> None:
-        """Form the group with the live replicas (at the first sync: once every replica has started)."""
+    def connect(self) -> bool:
+        """Form the group with the live replicas (at the first sync: once every replica has started); False if a
+        member died while it was formed."""
         if not self.started:
             joined = ray.get(self.clock.wait_replicas.remote(TIMEOUT_S))
             if joined < self.num_replicas:
@@ -94,20 +105,21 @@ class Push:
             self.started = True
         members = ray.get(self.clock.members.remote())
         if members != self.group:
-            connect(self.trainer, self.clock, sorted(members))
+            if not connect(self.trainer, self.clock, sorted(members), self.connect_timeout_s):
+                return False
             self.group = members
+        return True
 
     def sync(self, version: int) -> dict[str, float]:
         start = time.monotonic()
         ray.get(self.clock.pause_admission.remote())
-        for _ in range(self.num_replicas + 1):  # each retry follows a replica's death
-            self.connect()
-            result = push(self.trainer, self.clock, version, sorted(self.group))
+        for _ in range(2 * self.num_replicas + 1):  # each retry follows a replica's death (in a formation or a push)
+            result = push(self.trainer, self.clock, version, sorted(self.group)) if self.connect() else None
             if result is not None:
                 break
-            self.group = {}  # closed by the failed push: form it again with the survivors
+            self.group = {}  # closed by the failed push, or never formed: form it again with the survivors
         else:
-            raise RuntimeError(f"the weight push of version {version} failed {self.num_replicas + 1} times")
+            raise RuntimeError(f"the weight push of version {version} failed {2 * self.num_replicas + 1} times")
         acks, sent = result
         metrics = sync_metrics(acks, sent)
         snapshot = self.snapshots.write(self.trainer, version, metrics) if self.snapshots else None
@@ -209,7 +221,7 @@ def make_syncer(cfg, trainer, clock, run_dir: Path) -> Push | Pull:
         return Pull(trainer, clock, cfg.weight_sync.store, run_dir)
     # A restarted replica needs the current version's weights, which only the store can give it in push mode.
     snapshots = store_root(cfg.weight_sync.store, run_dir) if cfg.rollout.engine_max_restarts > 0 else ""
-    return Push(trainer, clock, cfg.rollout.num_replicas, run_dir, snapshots)
+    return Push(trainer, clock, cfg.rollout.num_replicas, run_dir, snapshots, cfg.weight_sync.connect_timeout_s)
 
 
 def _log_loads(path: Path, loads: list[dict]) -> None:

@@ -322,7 +322,8 @@ class VLLMGenerate:
     async def _init_group(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's broadcast group at this replica's rank in it; a group formed again after a replica
         restarted replaces the one before."""
-        args = (msg["host"], msg["port"], msg["ranks"][self.replica], msg["world_size"], msg["backend"])
+        rank = msg["ranks"][self.replica]
+        args = (msg["host"], msg["port"], rank, msg["world_size"], msg["backend"], msg["connect_timeout_s"])
         await self.engine.collective_rpc("init_weight_group", args=args)
         return {"replica": self.replica}
 

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stages.trainer.weight_sync import OP_TIMEOUT, broadcast_object
+
 # Requests whose routes were captured but never fetched (their caller failed) are dropped beyond this many, oldest
 # first, so that the capture cannot grow without bound.
 MAX_UNFETCHED_REQUESTS = 4096
@@ -40,7 +42,9 @@ MAX_UNFETCHED_REQUESTS = 4096
 class WeightReceiver:
     """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
 
-    def init_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+    def init_weight_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, connect_timeout_s: float = 30.0
+    ) -> None:
         from vllm.distributed.utils import (
             stateless_destroy_torch_distributed_process_group,
             stateless_init_torch_distributed_process_group,
@@ -58,8 +62,9 @@ class WeightReceiver:
             rank,
             world_size,
             backend="gloo" if self._weight_ipc else backend,
-            timeout=timedelta(seconds=600),
+            timeout=timedelta(seconds=connect_timeout_s),  # a peer that died while joining: give up, be asked again
         )
+        self._weight_group.set_timeout(OP_TIMEOUT)
 
     def receive_weights(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> int:
         """Receive every named tensor from rank 0 and load it; returns the number of tensors loaded."""
@@ -81,8 +86,6 @@ class WeightReceiver:
     def _receive_ipc(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Unverified here (no GPU): map each tensor by its CUDA IPC handle, copy it, then release the trainer's."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        from stages.trainer.weight_sync import broadcast_object
 
         for name in names:
             shared = rebuild_cuda_tensor(*broadcast_object(None, self._weight_group))

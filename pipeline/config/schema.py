@@ -282,6 +282,10 @@ class WeightSyncConfig:
     backend: Literal["gloo", "nccl", "ipc"] = "gloo"
     """Push mode's transport: 'gloo' (CPU tensors; works everywhere), 'nccl' (trainer and engines on different
     GPUs) or 'ipc' (one GPU shared by trainer and engine: CUDA IPC handles). nccl and ipc need CUDA."""
+    connect_timeout_s: float = 30.0
+    """Push mode: how long forming the weight-sync group may take before it is formed again with the replicas
+    still alive (a replica that dies while it joins must not hold the others; a broadcast itself may wait 600 s,
+    for an engine to drain its requests)."""
 
 
 @dataclass

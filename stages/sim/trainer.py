@@ -24,8 +24,8 @@ class SimTrainer:
         time.sleep(self.work.train_s(tokens, len(minibatches)) * self.work.time_scale)
         return {"train/num_tokens": float(tokens), "timing/train_s": time.monotonic() - start}
 
-    def open_weight_sync(self, world_size: int) -> dict[str, Any]:
-        return {"backend": "sim", "world_size": world_size}
+    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
+        return {"backend": "sim", "world_size": world_size, "connect_timeout_s": connect_timeout_s}
 
     def wait_weight_sync(self) -> None:
         pass

@@ -14,7 +14,7 @@ class TrainerBackend(Protocol):
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
         """One trainer step: an optimizer update per mini-batch (column -> list of rows); returns its metrics."""
 
-    def open_weight_sync(self, world_size: int) -> dict[str, Any]:
+    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
         """Start the trainer's half of the weight-sync group; returns what the engines need to join it."""
 
     def wait_weight_sync(self) -> None:

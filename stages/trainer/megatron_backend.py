@@ -106,8 +106,8 @@ class MegatronTrainer:
         yield from self.rank.export(self.bucket_bytes)
         _wait(pending)
 
-    def open_weight_sync(self, world_size: int) -> dict[str, Any]:
-        return self.sync.open(world_size)
+    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
+        return self.sync.open(world_size, connect_timeout_s)
 
     def wait_weight_sync(self) -> None:
         self.sync.wait_open()

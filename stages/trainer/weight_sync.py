@@ -27,14 +27,18 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl", "ipc")
+# How long one collective may wait for a peer, once the group is formed: a receiver joins a push only after its
+# engine drained or aborted its requests. Forming the group has its own, short timeout (`connect_timeout_s`).
+OP_TIMEOUT = timedelta(seconds=600)
 
 
 class WeightSync(Protocol):
-    def open(self, world_size: int) -> dict:
-        """Start rank 0's half of the rendezvous; returns what the engines need to join (host, port, backend)."""
+    def open(self, world_size: int, connect_timeout_s: float = 30.0) -> dict:
+        """Start rank 0's half of the rendezvous; returns what the engines need to join (host, port, backend, the
+        rendezvous timeout)."""
 
     def wait_open(self) -> None:
-        """Block until every engine has joined."""
+        """Block until every engine has joined; raise if one has not within the rendezvous timeout."""
 
     def push(self, tensors: Iterable[torch.Tensor]) -> int:
         """Send tensors to every engine; returns the bytes sent. If it fails (an engine died during it), the group
@@ -50,7 +54,7 @@ class BroadcastWeightSync:
         self._opener: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def open(self, world_size: int) -> dict:
+    def open(self, world_size: int, connect_timeout_s: float = 30.0) -> dict:
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         self.close()  # a group formed again (a replica was restarted) replaces the one before
@@ -60,21 +64,23 @@ class BroadcastWeightSync:
 
         def join() -> None:
             try:
-                self.group = stateless_init_torch_distributed_process_group(
+                group = stateless_init_torch_distributed_process_group(
                     self.host,
                     port,
                     0,
                     world_size,
                     backend=self.backend,
                     listen_socket=listener,
-                    timeout=timedelta(seconds=600),
+                    timeout=timedelta(seconds=connect_timeout_s),
                 )
+                group.set_timeout(OP_TIMEOUT)
+                self.group = group
             except BaseException as err:  # noqa: BLE001 - re-raised in wait_open, on the caller's thread
                 self._error = err
 
-        self._opener = threading.Thread(target=join, daemon=True)
+        self._opener, self._error = threading.Thread(target=join, daemon=True), None
         self._opener.start()
-        return {"host": self.host, "port": port, "backend": self.backend}
+        return {"host": self.host, "port": port, "backend": self.backend, "connect_timeout_s": connect_timeout_s}
 
     def wait_open(self) -> None:
         assert self._opener is not None, "open() first"
@@ -109,8 +115,9 @@ class IpcWeightSync:
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.control = BroadcastWeightSync("gloo", host)  # carries handles and acknowledgements, not weights
 
-    def open(self, world_size: int) -> dict:
-        return {**self.control.open(world_size), "backend": "ipc"}  # the engine joins with gloo, receives by IPC
+    def open(self, world_size: int, connect_timeout_s: float = 30.0) -> dict:
+        # The engine joins with gloo and receives by IPC.
+        return {**self.control.open(world_size, connect_timeout_s), "backend": "ipc"}
 
     def wait_open(self) -> None:
         self.control.wait_open()

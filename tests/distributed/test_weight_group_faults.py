@@ -90,3 +90,71 @@ def test_a_receiver_dying_mid_push_ends_the_push_and_the_survivors_receive_at_on
             if proc.is_alive():
                 proc.kill()
     assert survivor.exitcode == 0
+
+
+CONNECT_S = 8.0  # the rendezvous timeout of the test below (a run's default is weight_sync.connect_timeout_s)
+
+
+def _joiner(ports, queue) -> None:
+    """A receiver joining the groups the trainer offers (port, rank, world) until one forms, as a replica does
+    with each init_group message; then it receives one tensor."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    from stages.trainer.weight_sync import OP_TIMEOUT
+
+    queue.put(("ready", 1))
+    while True:
+        port, rank, world = ports.get()
+        start = time.monotonic()
+        try:
+            group = stateless_init_torch_distributed_process_group(
+                "127.0.0.1", port, rank, world, backend="gloo", timeout=timedelta(seconds=CONNECT_S)
+            )
+        except Exception:  # noqa: BLE001 - a member never joined: wait for the next offer
+            queue.put(("gave_up", 1, time.monotonic() - start))
+            continue
+        group.set_timeout(OP_TIMEOUT)
+        tensor = torch.zeros(4)
+        dist.broadcast(tensor, group=group, group_src=0)
+        queue.put(("again", 1, float(tensor.sum())))
+        return
+
+
+def test_a_receiver_dying_while_the_group_forms_costs_one_short_timeout_not_600_s():
+    """The trainer and the live receiver give up on a group whose third member never joins after the rendezvous
+    timeout; the group formed again without it carries a push, and a broadcast in it may wait longer than that
+    timeout (the engines drain before they receive)."""
+    from stages.trainer.weight_sync import BroadcastWeightSync
+
+    ctx = mp.get_context("spawn")
+    queue, ports = ctx.Queue(), ctx.Queue()
+    survivor = ctx.Process(target=_joiner, args=(ports, queue))
+    survivor.start()
+    sync = BroadcastWeightSync("gloo")
+    try:
+        _next(queue, "ready", 1)
+        start = time.monotonic()
+        ports.put((sync.open(3, CONNECT_S)["port"], 1, 3))  # rank 2 died before it joined
+        try:
+            sync.wait_open()
+            raise AssertionError("a group formed without one of its members")
+        except RuntimeError:
+            pass
+        trainer_gave_up = time.monotonic() - start
+        assert CONNECT_S - 1 < trainer_gave_up < 3 * CONNECT_S, trainer_gave_up
+        assert _next(queue, "gave_up", 1)[2] < 3 * CONNECT_S
+
+        ports.put((sync.open(2, CONNECT_S)["port"], 1, 2))  # formed again with the live receiver only
+        sync.wait_open()
+        time.sleep(CONNECT_S + 2)  # longer than the rendezvous timeout: a collective is not held to it
+        sync.push([torch.full((4,), 2.0)])
+        assert _next(queue, "again", 1)[2] == 8.0
+    finally:
+        sync.close()
+        survivor.join(20)
+        if survivor.is_alive():
+            survivor.kill()
+    assert survivor.exitcode == 0
