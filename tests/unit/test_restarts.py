@@ -81,3 +81,78 @@ def test_an_unrecoverable_failure_is_one_line_naming_the_part_that_failed(tmp_pa
     failed = failure(SimpleNamespace(run_dir=tmp_path), err)
     assert str(failed).startswith("MapWorker(MapBatches(VLLMGenerate)).submit failed: RuntimeError: Generate replica 0")
     assert "error.txt" in str(failed) and (tmp_path / "error.txt").read_text()
+
+
+class _Trainer:
+    """The trainer's side of push mode, scripted: the first group never forms (a member died as it joined)."""
+
+    def __init__(self) -> None:
+        self.opened: list[int] = []
+
+    def open_weight_sync(self, world_size: int, connect_timeout_s: float) -> dict:
+        self.opened.append(world_size)
+        return {"host": "127.0.0.1", "port": 1, "backend": "gloo", "connect_timeout_s": connect_timeout_s}
+
+    def wait_weight_sync(self) -> None:
+        if len(self.opened) == 1:
+            raise RuntimeError("weight-sync group failed to form: timed out waiting for rank 2")
+
+    def weight_meta(self) -> dict:
+        return {"names": [], "shapes": [], "dtypes": []}
+
+    def push_weights(self) -> dict:
+        return {"sync/bytes": 0.0}
+
+    def history(self) -> list[int]:
+        return self.opened
+
+
+class _Clock:
+    """Two replicas; replica 1 is gone by the time the first formation has failed."""
+
+    def __init__(self) -> None:
+        self.posted: list[dict] = []
+        self.finished: list[int] = []
+
+    def pause_admission(self) -> None:
+        pass
+
+    def wait_replicas(self, timeout_s: float) -> int:
+        return 2
+
+    def members(self) -> dict[int, int]:
+        return {0: 0, 1: 0} if not self.posted else {0: 0}
+
+    def post(self, message: dict, to: list[int]) -> int:
+        self.posted.append({**message, "to": to})
+        return len(self.posted)
+
+    def wait_acks(self, seq: int, timeout_s: float) -> list[dict]:
+        message = self.posted[seq - 1]
+        if message["kind"] == "init_group" and seq == 1:
+            return [{"replica": 0, "failed": "DistStoreError: timed out"}]
+        return [{"replica": r} for r in message["to"]]
+
+    def finish_sync(self, version: int, snapshot=None) -> None:
+        self.finished.append(version)
+
+    def history(self) -> tuple[list[dict], list[int]]:
+        return self.posted, self.finished
+
+
+def test_a_group_that_fails_to_form_is_formed_again_with_the_live_replicas(ray_session, tmp_path):
+    import sys
+
+    from ray import cloudpickle
+
+    from pipeline.sync import Push
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import a test module
+    trainer, clock = ray.remote(_Trainer).remote(), ray.remote(_Clock).remote()
+    push = Push(trainer, clock, 2, tmp_path, connect_timeout_s=5.0)
+    metrics = push.sync(1)
+    posted, finished = ray.get(clock.history.remote())
+    assert ray.get(trainer.history.remote()) == [3, 2]  # trainer + 2 replicas, then trainer + the survivor
+    assert [(m["kind"], m["to"]) for m in posted] == [("init_group", [0, 1]), ("init_group", [0]), ("sync", [0])]
+    assert all(m["connect_timeout_s"] == 5.0 for m in posted[:2])
+    assert finished == [1] and push.group == {0: 0} and "sync/trainer_blocked_s" in metrics
