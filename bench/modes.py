@@ -2,7 +2,9 @@
 
 Each mode runs through the real pipeline (Ray Data stream, gate, sink, syncs, audit) with simulated engines and
 trainer (stages/sim/workload.py), and through the discrete-event model (pipeline/sim/des.py) for comparison. Times are
-simulated seconds per 512 prompts (32 in the scaled-down run), after the first sync window (start-up).
+simulated seconds per 512 prompts (32 in the scaled-down run), averaged over the sync windows between the first
+(start-up) and the last (the end-of-run drain, when the gate has nothing left to admit); the table gives their
+spread too.
 The default preset is calibrated to verl's published 128-GPU 7B table (bench/calibrate.py).
 
     python -m bench.modes                 # about 4 minutes on 2 cores
@@ -63,11 +65,18 @@ def setting(cfg: RunConfig) -> Setting:
     return Setting(StalenessBudget.from_config(cfg), ro.n, cfg.data.max_response_length, slots, in_engine, mode)
 
 
-def per_unit(step_end: list[float], cfg: RunConfig) -> float:
-    """Seconds per 32 prompts, from the end of the first sync window to the end of the run."""
+def windows(step_end: list[float], cfg: RunConfig) -> list[float]:
+    """Seconds per 32 prompts of each sync window but the first (start-up) and the last (drain)."""
     k, b = cfg.async_training.trigger_parameter_sync_step, StalenessBudget.from_config(cfg).required_samples
-    steps = len(step_end)
-    return (step_end[-1] - step_end[k - 1]) / ((steps - k) * b / PROMPTS_PER_UNIT)
+    ends = step_end[k - 1 :: k]  # the last step of each window
+    if len(ends) < 3:
+        raise ValueError(f"{len(ends)} sync windows: the measurement needs 3 or more (start-up, measured, drain)")
+    return [(after - before) / (k * b / PROMPTS_PER_UNIT) for before, after in zip(ends[:-2], ends[1:-1], strict=True)]
+
+
+def per_unit(step_end: list[float], cfg: RunConfig) -> float:
+    measured = windows(step_end, cfg)
+    return sum(measured) / len(measured)
 
 
 def run_pipeline(cfg: RunConfig) -> dict:
@@ -76,13 +85,18 @@ def run_pipeline(cfg: RunConfig) -> dict:
     summary = run(cfg)
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     ends = [r["timing/elapsed_s"] / cfg.sim.time_scale for r in rows]
-    return {"per_unit": per_unit(ends, cfg), **summary}
+    return {"per_unit": per_unit(ends, cfg), "windows": windows(ends, cfg), **summary}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default=str(PRESET))
-    parser.add_argument("--syncs", type=int, default=4, help="sync windows per pipeline run (the first is warm-up)")
+    parser.add_argument(
+        "--syncs",
+        type=int,
+        default=4,
+        help="sync windows per pipeline run, 3 or more (the first and last not measured)",
+    )
     args = parser.parse_args()
     from pipeline.prepare import start_ray
 
@@ -132,13 +146,15 @@ def print_table(rows: dict, base: RunConfig, wall: float, out: Path) -> None:
     s_star, s_star_async, u = bound(colo_cfg, base)
     print(f"\nbench.modes: {len(rows)} pipeline runs in {wall:.0f} s (run dirs in {out})")
     print("times: simulated seconds per 512 prompts (32 in the scaled run); speedup over colocated sync")
-    header = f"{'mode':<25} {'pipeline s':>10} {'speedup':>8} {'model s':>8} {'model x':>8} {'verl x':>7} "
+    header = f"{'mode':<25} {'pipeline s':>10} {'windows s':>13} {'speedup':>8} {'model s':>8} {'model x':>8} "
+    header += f"{'verl x':>7} "
     print(header + f"{'eff.':>5} {'eff.*':>5} {'trainer idle':>12} {'rollout idle':>12} {'max lag':>7} {'audit':>5}")
     for name, (_cfg, res, _model, model_unit) in rows.items():
         speedup = colo["per_unit"] / res["per_unit"]
         verl = f"{VERL[name]:.2f}" if name in VERL else "-"
+        spread = f"{min(res['windows']):.1f}-{max(res['windows']):.1f}"
         print(
-            f"{name:<25} {res['per_unit']:>10.1f} {speedup:>8.2f} {model_unit:>8.1f} "
+            f"{name:<25} {res['per_unit']:>10.1f} {spread:>13} {speedup:>8.2f} {model_unit:>8.1f} "
             f"{colo_model_unit / model_unit:>8.2f} {verl:>7} {speedup / s_star:>5.2f} {speedup / s_star_async:>5.2f} "
             f"{res['trainer_idle_ratio']:>12.2f} {res['rollouter_idle_ratio']:>12.2f} {res['max_lag']:>7} "
             f"{'PASS' if res['audit_ok'] else 'FAIL':>5}"
