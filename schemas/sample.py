@@ -107,6 +107,13 @@ ROUTING_COLUMNS = (
         "(the last is never fed back), each row every MoE layer's top-k expert ids, layer after layer (layers x k "
         "values). Always the engine's latest full-context routes: replaced, never appended, when a response resumes",
     ),
+    _col(
+        "routes_version",
+        pa.int64(),
+        "the weight version whose prefill computed the routed_experts rows of the latest request's context (that "
+        "request's first token's version). A row computed later, while that request decoded, has the version of the "
+        "token it predicts: a row's version is max(routes_version, version of the token after it)",
+    ),
 )
 
 # Added by Reward and Advantage.

@@ -239,6 +239,7 @@ class VLLMGenerate:
             "gen_latency_s": time.time() - start,
             "agent_turns": traj.turns,
             "routed_experts": None if traj.routes is None else traj.routes.tolist(),
+            "routes_version": None if traj.routes is None else traj.routes_version,
         }
 
     def _agent(self, name: str) -> Any:
@@ -250,7 +251,8 @@ class VLLMGenerate:
     # --- what an agent loop may ask of the stage (stages.agents.AgentEngine) -----------------------------------
     async def segment(self, context: list[int], max_tokens: int, request_id: str) -> Segment:
         tokens, logprobs, spans, finish, routes = await self._segment(context, max_tokens, request_id)
-        return Segment(tokens, logprobs, expand_spans(spans, len(tokens), request_id), finish, routes)
+        versions = expand_spans(spans, len(tokens), request_id)
+        return Segment(tokens, logprobs, versions, finish, routes, versions[0] if versions else self.loaded)
 
     def current_version(self) -> int:
         return self.loaded

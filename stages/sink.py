@@ -34,10 +34,12 @@ from stages.staleness import StalenessBudget
 class Step:
     groups: list[pa.Table]  # one table per prompt, oldest admission first
     wait_s: float  # time the sink spent waiting for the stream
+    version: int = 0  # the trainer's weight version at this step
 
     def minibatches(self, size: int) -> list[dict[str, list]]:
+        """Column -> rows of each mini-batch, plus `trainer_version` (the step's version, on every row)."""
         tables = [pa.concat_tables(self.groups[i : i + size]) for i in range(0, len(self.groups), size)]
-        return [t.to_pydict() for t in tables]
+        return [{**t.to_pydict(), "trainer_version": [self.version] * t.num_rows} for t in tables]
 
     @property
     def table(self) -> pa.Table:
@@ -88,7 +90,7 @@ class TrainingSink:
         groups = [self.buffer.pop(pid) for pid in chosen]
         if self.step_transform is not None:
             groups = self._transform(groups)
-        return Step(groups, waited)
+        return Step(groups, waited, version)
 
     def _transform(self, groups: list[pa.Table]) -> list[pa.Table]:
         """The step's groups after `step_transform` ran over all of them at once, in the same order."""

@@ -64,6 +64,7 @@ class Segment:
     # The MoE routes of the request's context (its input and tokens but the last), (rows, layers * k) uint8; None
     # without route capture. An aborted request's may stop short, in its prefill.
     routes: np.ndarray | None = None
+    routes_version: int = -1  # the weights whose prefill computed `routes` (the request's first token's version)
 
 
 class AgentEngine(Protocol):
@@ -94,6 +95,7 @@ class Trajectory:
     num_resumes: int = 0
     finish_reason: str = "stop"
     routes: np.ndarray | None = None  # the latest request's routes (Segment.routes): never appended to
+    routes_version: int = -1  # and the version of its prefill (Segment.routes_version)
 
     @property
     def num_route_rows(self) -> int:
@@ -110,7 +112,7 @@ class Trajectory:
         self.versions += seg.versions
         self.mask += [1] * len(seg.tokens)
         if seg.routes is not None:  # the request's context is this trajectory's: its routes replace ours
-            self.routes = seg.routes
+            self.routes, self.routes_version = seg.routes, seg.routes_version
 
     def add_appended(self, tokens: list[int], version: int) -> None:
         """Tokens the loop wrote (tool results): no loss, logprob 0, the version current now.
@@ -137,7 +139,7 @@ async def generate_resumable(
         seg = await engine.segment(context + out.tokens, max_tokens - len(out.tokens), f"{request_id}#{resumes}")
         # The resubmitted request recomputed the whole context: its routes replace the aborted one's.
         out = Segment(out.tokens + seg.tokens, out.logprobs + seg.logprobs, out.versions + seg.versions, "", seg.routes)
-        out.finish_reason = seg.finish_reason
+        out.finish_reason, out.routes_version = seg.finish_reason, seg.routes_version
     return out, resumes
 
 
@@ -153,4 +155,4 @@ async def complete_routes(engine: AgentEngine, traj: Trajectory, request_id: str
     if len(traj.routes) > need:
         raise RuntimeError(f"{request_id}: {len(traj.routes)} rows of routes for a context of {need + 1} tokens")
     seg, _ = await generate_resumable(engine, traj.context[:-1], 1, request_id)
-    traj.routes = seg.routes[:need]
+    traj.routes, traj.routes_version = seg.routes[:need], seg.routes_version

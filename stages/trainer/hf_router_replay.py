@@ -51,14 +51,17 @@ class HFRouterReplay:
         self.num_experts = self.routers[0].num_experts
         self._routes: torch.Tensor | None = None  # (B * S, layers, k), NO_ROUTE where the router picks
         self.replayed = self.changed = 0.0
+        self._maps: tuple[torch.Tensor, torch.Tensor] | None = None  # replayed, changed layers per token (B * S,)
+        self._shape = (0, 0)
         for layer, router in enumerate(self.routers):
             router.forward = self._forward_of(router, layer)
 
     @contextmanager
     def forcing(self, routes: torch.Tensor | None) -> Iterator[None]:
-        """Within the block, forward passes replay `routes` (B, S, layers * k) and count into replayed/changed
-        (reset here); None leaves the routers alone."""
+        """Within the block, forward passes replay `routes` (B, S, layers * k) and count into replayed/changed and
+        `maps()` (reset here); None leaves the routers alone."""
         self.replayed = self.changed = 0.0
+        self._maps = None
         if routes is None:
             yield
             return
@@ -71,6 +74,8 @@ class HFRouterReplay:
         if routes.numel() and int(routes.max()) >= self.num_experts:
             raise ValueError(f"routed_experts names expert {int(routes.max())}; the model has {self.num_experts}")
         self._routes = routes.reshape(-1, layers, k)
+        self._shape = tuple(routes.shape[:2])
+        self._maps = (torch.zeros(self._routes.shape[0]), torch.zeros(self._routes.shape[0]))
         try:
             yield
         finally:
@@ -103,4 +108,10 @@ class HFRouterReplay:
         differs = (ids.sort(-1).values != own.sort(-1).values).any(-1) & given
         self.replayed += float(given.sum())
         self.changed += float(differs.sum())
+        self._maps[0].add_(given.float().cpu())
+        self._maps[1].add_(differs.float().cpu())
         return ids
+
+    def maps(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(B, S) MoE layers replayed and changed per token in the last `forcing` block (None without routes)."""
+        return None if self._maps is None else (self._maps[0].view(self._shape), self._maps[1].view(self._shape))

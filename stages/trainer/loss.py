@@ -134,6 +134,8 @@ class TokenForward:
     entropy: torch.Tensor | None = None  # (B, T) entropy of each token's distribution, when asked for
     routes_replayed: float = 0.0  # (token, MoE layer) pairs whose experts were replayed (routes given)
     routes_changed: float = 0.0  # of them, those whose replayed experts differ from the model's own top-k
+    # (B, S) per context token: MoE layers replayed, and of them those changed (the two counts above, per token)
+    route_maps: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # (prompts, responses, entropy: bool = False[, routes: (B, S, layers * k) LongTensor]) -> TokenForward

@@ -82,6 +82,8 @@ class MegatronRouteReplay:
             raise RuntimeError("RouterReplay's instances are not this model's routers: build one MoE model at a time")
         self.shape = shape
         self.replayed = self.changed = 0.0
+        self._maps: tuple[torch.Tensor, torch.Tensor] | None = None  # replayed, changed layers per token (S * B,)
+        self._shape = (0, 0)
         self._active = False
         for router in self.routers:
             router.register_forward_pre_hook(self._pre_hook)
@@ -93,6 +95,7 @@ class MegatronRouteReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
         self.replayed = self.changed = 0.0
+        self._maps = None
         if routes is None:
             yield
             return
@@ -105,6 +108,8 @@ class MegatronRouteReplay:
         if routes.numel() and int(routes.max()) >= self.shape.num_experts:
             raise ValueError(f"routed_experts names expert {int(routes.max())}; the model has {self.shape.num_experts}")
         seq_major = routes.transpose(0, 1).reshape(-1, layers, k)  # (S * B, layers, k): row s * B + b
+        self._shape = tuple(routes.shape[:2])
+        self._maps = (torch.zeros(seq_major.shape[0]), torch.zeros(seq_major.shape[0]))
         device = self.routers[0].weight.device
         RouterReplay.set_replay_data([seq_major[:, i].to(device) for i in range(layers)])
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -136,3 +141,12 @@ class MegatronRouteReplay:
         differs = (ids.sort(-1).values != own.sort(-1).values).any(-1) & given
         self.replayed += float(given.sum())
         self.changed += float(differs.sum())
+        self._maps[0].add_(given.float().cpu())
+        self._maps[1].add_(differs.float().cpu())
+
+    def maps(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(B, S) MoE layers replayed and changed per token in the last `forcing` block (None without routes)."""
+        if self._maps is None:
+            return None
+        b, s = self._shape
+        return self._maps[0].view(s, b).T, self._maps[1].view(s, b).T

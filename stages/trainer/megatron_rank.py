@@ -210,8 +210,9 @@ class MegatronRank:
             mask[i, : len(r)] = 1.0
             if ent is not None:
                 ent[i, : len(r)] = token_ent[i, start : start + len(r)]
-        counts = (self.replay.replayed, self.replay.changed) if self.replay else (0.0, 0.0)
-        return TokenForward(logp, mask, ent, *counts)
+        if self.replay is None:
+            return TokenForward(logp, mask, ent)
+        return TokenForward(logp, mask, ent, self.replay.replayed, self.replay.changed, self.replay.maps())
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, S) entropy of logits split over the vocabulary across TP ranks: the max and the two sums are

@@ -14,7 +14,9 @@ Metrics, under verl's names, over a step of one or more mini-batches (one optimi
   train/ratio_mean: token-weighted over all the step's trained tokens, not a mean of micro-batch means;
 - actor/grad_norm: the pre-clip norm, averaged over the step's updates; actor/kl_coef when the KL loss is on;
 - actor/router_mismatch (with actor.router_replay.mode=R3): the share of replayed (token, MoE layer) pairs whose
-  replayed experts are not the set the trainer's own router would pick, over the step's training forward passes.
+  replayed experts are not the set the trainer's own router would pick, over the step's training forward passes;
+  actor/router_mismatch_stale the same over the pairs whose routes older weights than the trainer's computed (the
+  engine's routes at a previous version; `route_row_versions` says which), logged on the steps that have any.
 
 Routing replay: the `routed_experts` rows (one per context token but the last, layers x k expert ids each) reach a
 backend's forward as one (B, S, layers * k) tensor padded to the micro-batch's context length with -1, which means
@@ -46,6 +48,8 @@ class MicroLoss:
     kl: float  # its share of the aggregated KL loss (0 when the KL loss is off)
     routes_replayed: float = 0.0  # (token, MoE layer) pairs whose experts were replayed
     routes_changed: float = 0.0  # of them, those whose experts differ from the trainer's own top-k
+    stale_replayed: float = 0.0  # the same two counts over the routes computed by older weights than the trainer's
+    stale_changed: float = 0.0
 
 
 @dataclass
@@ -114,9 +118,31 @@ class Minibatch:
             ref = self._pad(rows["ref_logprobs"][sl], width, device)
             kl = agg_loss(kl_penalty(fwd.logp, ref, policy.kl_loss_type), mask, agg, den)
             total = total + policy.kl_loss_coef * kl
+        stale = self._stale_route_counts(sl, fwd.route_maps)
         return MicroLoss(
-            total, pg, float(entropy.detach()), float(kl.detach()), fwd.routes_replayed, fwd.routes_changed
+            total, pg, float(entropy.detach()), float(kl.detach()), fwd.routes_replayed, fwd.routes_changed, *stale
         )
+
+    def _stale_route_counts(self, sl: slice, maps: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float]:
+        """(replayed, changed) (token, MoE layer) pairs over the context tokens whose routes older weights than the
+        trainer's computed (`trainer_version`: the step's version, Step.minibatches)."""
+        rows = self.rows
+        if maps is None or "trainer_version" not in rows or "routes_version" not in rows:
+            return 0.0, 0.0
+        replayed, changed = maps
+        stale = torch.zeros_like(replayed, dtype=torch.bool)
+        for i, (p, versions, base, now) in enumerate(
+            zip(
+                rows["prompt_ids"][sl],
+                rows["token_param_version"][sl],
+                rows["routes_version"][sl],
+                rows["trainer_version"][sl],
+                strict=True,
+            )
+        ):
+            row_versions = torch.as_tensor(route_row_versions(len(p), versions, base))
+            stale[i, : len(row_versions)] = row_versions < now
+        return float(replayed[stale].sum()), float(changed[stale].sum())
 
     def replay_kwargs(self, sl: slice, policy: PolicySettings) -> dict[str, torch.Tensor]:
         """What a forward over micro-batch `sl` takes besides the tokens: `routes` (B, S, layers * k) to replay
@@ -158,6 +184,21 @@ def check_routes(rows: dict[str, list]) -> None:
             )
 
 
+def route_row_versions(prompt_len: int, token_versions: list[int], routes_version: int | None) -> np.ndarray:
+    """The weight version that computed each routed_experts row of a sample (one per context token but the last).
+
+    Row t is context token t fed to the model, which predicts token t + 1. The latest request's prefill computed
+    every row of its context at `routes_version`; the rows it fed while decoding came from the weights that sampled
+    the token they predict (keep mode's frozen requests span versions that way). Without `routes_version` (samples
+    logged before the column) a row gets the version of the token it predicts, the prompt's the first token's."""
+    versions = np.asarray(token_versions, np.int64)
+    if len(versions) == 0:
+        return np.zeros(0, np.int64)
+    predicted = np.arange(prompt_len + len(versions) - 1) + 1 - prompt_len  # response index of the token after
+    row = versions[np.clip(predicted, 0, None)]
+    return row if routes_version is None else np.maximum(row, routes_version)
+
+
 def pad_routes(prompts: list, responses: list, routes: list) -> torch.Tensor:
     """(B, S, layers * k) int64 replayed expert ids, S the longest context; NO_ROUTE where none (padding, last)."""
     rows = [np.asarray([np.asarray(t, np.int64) for t in r], np.int64) for r in routes]  # (T_i, layers * k) each
@@ -192,7 +233,9 @@ class StepTotals:
     shares: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("pg", "entropy", "kl", "grad_norm"), 0.0))
     token_sums: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(
-            ("clipped", "dual_clipped", "kl", "ratio", "tokens", "routes_replayed", "routes_changed"), 0.0
+            ("clipped", "dual_clipped", "kl", "ratio", "tokens")
+            + ("routes_replayed", "routes_changed", "stale_replayed", "stale_changed"),
+            0.0,
         )
     )
 
@@ -208,6 +251,8 @@ class StepTotals:
             ("tokens", res.pg.tokens),
             ("routes_replayed", res.routes_replayed),
             ("routes_changed", res.routes_changed),
+            ("stale_replayed", res.stale_replayed),
+            ("stale_changed", res.stale_changed),
         ):
             self.token_sums[key] += value
 
@@ -232,9 +277,10 @@ class StepTotals:
         if self.policy.use_kl_loss:
             out["actor/kl_coef"] = self.policy.kl_loss_coef
         if self.policy.router_replay.active:
-            out["actor/router_mismatch"] = self.token_sums["routes_changed"] / max(
-                self.token_sums["routes_replayed"], 1
-            )
+            sums = self.token_sums
+            out["actor/router_mismatch"] = sums["routes_changed"] / max(sums["routes_replayed"], 1)
+            if sums["stale_replayed"]:  # only a step with routes from older weights than the trainer's has it
+                out["actor/router_mismatch_stale"] = sums["stale_changed"] / sums["stale_replayed"]
         return out
 
 

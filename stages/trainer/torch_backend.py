@@ -151,8 +151,9 @@ class TorchTrainer:
             mask[i, : len(r)] = 1.0
             if ent is not None:
                 ent[i, : len(r)] = entropy_from_logits(step_logits, grad=self.policy.entropy_coeff != 0)
-        counts = (self.replay.replayed, self.replay.changed) if self.replay else (0.0, 0.0)
-        return TokenForward(logp, mask, ent, *counts)
+        if self.replay is None:
+            return TokenForward(logp, mask, ent)
+        return TokenForward(logp, mask, ent, self.replay.replayed, self.replay.changed, self.replay.maps())
 
     @torch.no_grad()
     def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:

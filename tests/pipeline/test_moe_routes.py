@@ -26,6 +26,7 @@ from pipeline.tasks.embedded import TOP_K, build_embedded
 from stages.generate import VLLMGenerate
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
+from stages.trainer.step import route_row_versions
 from stages.trainer.torch_backend import TorchTrainer
 from tests.pipeline.test_weight_sync import prompts
 
@@ -66,8 +67,8 @@ class Weights:
 def check_routes(out, weights_of, mode: str) -> tuple[int, int, int]:
     """Count rows against transformers; returns (agreeing pairs, compared pairs, responses spanning versions)."""
     agree = total = spanning = 0
-    columns = ("prompt_ids", "response_ids", "token_param_version", "routed_experts")
-    for prompt, response, versions, routes in zip(*(out[c].to_pylist() for c in columns), strict=True):
+    columns = ("prompt_ids", "response_ids", "token_param_version", "routed_experts", "routes_version")
+    for prompt, response, versions, routes, base in zip(*(out[c].to_pylist() for c in columns), strict=True):
         context = prompt + response
         assert len(routes) == len(context) - 1, "one row per context token but the last: no duplicated prefix"
         rows = np.sort(np.asarray(routes, np.uint8).reshape(len(routes), -1, TOP_K), -1)
@@ -77,7 +78,8 @@ def check_routes(out, weights_of, mode: str) -> tuple[int, int, int]:
             switch = next(j for j, v in enumerate(versions) if v > versions[0])
             checked = slice(0, len(prompt) - 1 + switch)
         spanning += versions[0] != versions[-1]
-        version = versions[-1] if checked.stop == len(rows) else versions[0]
+        # Which weights computed the checked rows, by the sample's own account (routes_version): one version.
+        (version,) = set(route_row_versions(len(prompt), versions, base)[checked].tolist())
         same = (rows[checked] == hf_routes(weights_of(version), context)[checked]).all(-1)
         agree, total = agree + int(same.sum()), total + same.size
     return agree, total, spanning
@@ -166,5 +168,9 @@ def test_moe_preset_learns_through_the_stream_with_routing_replay(run_job):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     mismatch = [m["actor/router_mismatch"] for m in metrics]  # present only when the trainer replays
     assert max(mismatch) < 0.05, mismatch
+    # Routes an older version computed (samples generated before the step's latest sync) drift a little more.
+    stale = [m["actor/router_mismatch_stale"] for m in metrics if "actor/router_mismatch_stale" in m]
+    print(f"router mismatch: max {max(mismatch):.4f}; of older versions' routes: {stale}")
+    assert stale and max(stale) < 0.2, stale
     rewards = [m["reward/mean"] for m in metrics]
     assert sum(rewards[-8:]) / 8 > sum(rewards[:8]) / 8 + 0.1, rewards

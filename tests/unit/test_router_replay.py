@@ -9,7 +9,7 @@ import torch
 
 from pipeline.config import ConfigError, load_config
 from stages.trainer.settings import PolicySettings, RouterReplaySettings
-from stages.trainer.step import NO_ROUTE, Minibatch, pad_routes
+from stages.trainer.step import NO_ROUTE, Minibatch, StepTotals, pad_routes, route_row_versions
 from stages.trainer.torch_backend import TorchTrainer
 from tests.moe_model import batch, build_tiny_moe, other_routes, own_routes
 
@@ -157,3 +157,41 @@ def test_router_replay_keys_are_verls():
         load_config(None, ["actor.router_replay.mod=R3"])
     with pytest.raises(ConfigError, match=r"record_file / replay_file are not supported"):
         load_config(None, ["actor.router_replay.record_file=/tmp/routes.pt"])
+
+
+def test_route_row_versions_follow_the_prefill_and_the_decode():
+    # keep mode: one request from version 3; its decode fed tokens sampled at 3, 3, 4, 5 (a sync froze it twice)
+    assert route_row_versions(3, [3, 3, 4, 5], 3).tolist() == [3, 3, 3, 3, 4, 5]
+    # abort mode: resumed at version 5, whose prefill recomputed every row of the context
+    assert route_row_versions(3, [3, 3, 4, 5], 5).tolist() == [5] * 6
+    # a log written before routes_version: each row the version of the token it predicts
+    assert route_row_versions(2, [1, 2], None).tolist() == [1, 1, 2]
+    assert route_row_versions(2, [], 4).tolist() == []
+
+
+def test_stale_router_mismatch_counts_only_rows_older_weights_computed(moe):
+    """Sample 0 replays its own routes, all computed at version 0; sample 1 other routes, computed at the
+    trainer's version 1; sample 2 other routes from a keep-mode request that began at 0 and went on at 1."""
+    model_dir, prompts, responses, own = moe
+    trainer = TorchTrainer(str(model_dir), policy=R3)
+    forced = other_routes(own)
+    rows = _rows(prompts, responses, [own[0], forced[1], forced[2]])
+    t2 = len(responses[2])
+    rows["token_param_version"] = [[0] * len(responses[0]), [1] * len(responses[1]), [0] + [1] * (t2 - 1)]
+    rows["routes_version"] = [0, 1, 0]
+    rows["trainer_version"] = [1, 1, 1]
+    mb = Minibatch.of(rows, trainer.policy)
+    micro = mb.loss(trainer._token_logprobs, slice(0, 3), trainer.policy)
+    stale0 = len(prompts[0]) + len(responses[0]) - 1  # every row of sample 0
+    stale2 = len(prompts[2])  # sample 2's prompt rows: the last one predicts its first token, sampled at 0
+    assert micro.stale_replayed == 2 * (stale0 + stale2)  # 2 MoE layers
+    assert micro.stale_changed == 2 * stale2  # sample 0's own routes agree with the trainer's router
+    assert micro.routes_replayed == 2 * _context_tokens(prompts, responses)
+    totals = StepTotals(trainer.policy)
+    totals.add_micro(micro)
+    metrics = totals.metrics()
+    assert metrics["actor/router_mismatch_stale"] == pytest.approx(stale2 / (stale0 + stale2))
+    rows["trainer_version"] = [0, 0, 0]  # nothing older than the trainer: no stale metric at all
+    totals = StepTotals(trainer.policy)
+    totals.add_micro(Minibatch.of(rows, trainer.policy).loss(trainer._token_logprobs, slice(0, 3), trainer.policy))
+    assert "actor/router_mismatch_stale" not in totals.metrics()
