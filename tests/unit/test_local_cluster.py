@@ -80,3 +80,23 @@ def test_down_without_a_cluster_is_a_no_op(tmp_path):
     lc.Cluster(pid=os.getpid(), temp_dir=str(tmp_path / "ray"), ports=lc.Ports.pick()).save(tmp_path)
     assert lc.down(tmp_path) is False  # a PID that is not a head started from this directory is left alone
     assert not (tmp_path / "cluster.json").exists()
+
+
+def test_a_worker_node_joins_on_loopback_with_its_own_ports_marked_with_its_resources(tmp_path):
+    ports = lc.Ports.pick()
+    cmd = lc.worker_command(Path("/venv/bin/ray"), tmp_path, ports, "127.0.0.1:6390", 2, {"rollout": 1})
+    assert cmd[:4] == ["/venv/bin/ray", "start", "--address=127.0.0.1:6390", "--block"]
+    assert "--node-ip-address=127.0.0.1" in cmd and '--resources={"rollout": 1}' in cmd
+    assert f"--temp-dir={tmp_path}" in cmd and "--num-cpus=2" in cmd
+    assert not any(arg.startswith(("--head", "--port=", "--dashboard-port", "--include-dashboard")) for arg in cmd)
+    given = {int(arg.rsplit("=", 1)[1]) for arg in cmd if arg.split("=")[0].endswith("-port")}
+    head_only = {ports.gcs, ports.dashboard, ports.ray_client_server}
+    assert given == set(vars(ports).values()) - head_only
+
+
+def test_the_cluster_record_keeps_its_workers(tmp_path):
+    cluster = lc.Cluster(123, "/tmp/x", lc.Ports.pick(), (lc.Worker(456, "/tmp/x/w1"),))
+    cluster.save(tmp_path)
+    assert lc.Cluster.load(tmp_path) == cluster
+    assert lc.down(tmp_path) is False  # neither PID is a `ray start` of these temp dirs: nothing is signalled
+    assert not (tmp_path / "cluster.json").exists()
