@@ -21,8 +21,8 @@ Choices, and why:
   loopback keeps other machines out, the token keeps out other users of this one, since a job server runs any
   code it is sent. `ray job submit` reads the same token when RAY_AUTH_MODE=token.
 - The job runs this venv's `asyncrl`: the venv's bin directory leads the head's PATH, which the driver inherits.
-- `join` adds a worker node on this machine (another raylet, `ray start --address --block`, ports and temp dir of its
-  own), marked with custom resources such as `{"trainer": 1}`: a multi-node cluster on one machine, for the
+- `join` adds a worker node on this machine (another raylet, infra/worker_node.py, ports and temp dir of its own,
+  on loopback too), marked with custom resources such as `{"trainer": 1}`: a multi-node cluster on one machine, for the
   placement of ray.placement (pipeline/config/placement.py). Its PID is recorded beside the head's; `down` stops
   the workers first, the same way.
 """
@@ -143,14 +143,14 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Worker:
-    """A worker node's `ray start` process, as `join` records it."""
+    """A worker node's process (infra/worker_node.py), as `join` records it."""
 
     pid: int
     temp_dir: str
 
 
 def _ours(pid: int, temp_dir: str) -> psutil.Process | None:
-    """The `ray start` process of that PID if it is the one started with that temp dir."""
+    """The node process of that PID if it is the one started with that temp dir."""
     try:
         proc = psutil.Process(pid)
         return proc if f"--temp-dir={temp_dir}" in proc.cmdline() else None
@@ -186,29 +186,20 @@ def head_command(ray_bin: Path, temp_dir: Path, ports: Ports, num_cpus: int) -> 
 
 
 def worker_command(
-    ray_bin: Path, temp_dir: Path, ports: Ports, gcs_address: str, num_cpus: int, resources: dict[str, float]
+    python: Path, temp_dir: Path, ports: Ports, gcs_address: str, num_cpus: int, resources: dict[str, float]
 ) -> list[str]:
-    """A worker node of the cluster at gcs_address, with the ports a node serves on (no GCS, dashboard or client
-    server: those are the head's)."""
-    p = ports
+    """A worker node of the cluster at gcs_address (infra/worker_node.py: `ray start --address` would leave
+    loopback), with the ports a node serves on; the GCS, dashboard and client server are the head's."""
+    node_ports = {k: v for k, v in asdict(ports).items() if k not in ("gcs", "dashboard", "ray_client_server")}
     return [
-        str(ray_bin),
-        "start",
+        str(python),
+        "-m",
+        "infra.worker_node",
         f"--address={gcs_address}",
-        "--block",
-        "--node-ip-address=127.0.0.1",
-        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
         f"--num-cpus={num_cpus}",
         f"--resources={json.dumps(resources)}",
-        f"--temp-dir={temp_dir}",
-        f"--object-manager-port={p.object_manager}",
-        f"--node-manager-port={p.node_manager}",
-        f"--dashboard-agent-listen-port={p.dashboard_agent_listen}",
-        f"--dashboard-agent-grpc-port={p.dashboard_agent_grpc}",
-        f"--runtime-env-agent-port={p.runtime_env_agent}",
-        f"--metrics-export-port={p.metrics_export}",
-        f"--min-worker-port={p.min_worker}",
-        f"--max-worker-port={p.max_worker}",
+        f"--ports={json.dumps(node_ports)}",
     ]
 
 
@@ -293,15 +284,21 @@ def join(cluster_dir: Path, resources: dict[str, float], num_cpus: int = 2, time
     n = len(cluster.workers) + 1
     temp_dir = cluster_dir / f"w{n}"  # short: Ray's socket paths under it must fit in 107 bytes
     temp_dir.mkdir(parents=True, exist_ok=True)
-    cmd = worker_command(VENV_BIN / "ray", temp_dir, Ports.pick(), cluster.gcs_address, num_cpus, resources)
+    cmd = worker_command(Path(sys.executable), temp_dir, Ports.pick(), cluster.gcs_address, num_cpus, resources)
     log = cluster_dir / f"worker-{n}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=head_env(), start_new_session=True
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=head_env(),
+            start_new_session=True,
         )
     worker = Worker(proc.pid, str(temp_dir))
     replace(cluster, workers=(*cluster.workers, worker)).save(cluster_dir)
-    # `ray start` says so once its raylet is registered with the GCS.
+    # The node says so once its raylet is registered with the GCS.
     deadline = time.monotonic() + timeout_s
     while "Ray runtime started" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -329,7 +326,7 @@ def down(cluster_dir: Path, timeout_s: float = 60) -> bool:
 
 
 def _stop(node: psutil.Process, timeout_s: float) -> None:
-    """SIGTERM to a node's `ray start`, whose handler stops what it started; then, by PID, whatever of that is left."""
+    """SIGTERM to a node's process, whose handler stops what it started; then, by PID, whatever of that is left."""
     started = node.children(recursive=True)  # all ours: the node started them (raylet, GCS, workers, agents)
     node.send_signal(signal.SIGTERM)
     try:

@@ -283,6 +283,8 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     # than starting a second Ray beside it (which would also fail on the num_cpus below).
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address:
+        if _on_loopback(address):  # else Ray looks for this machine's nodes at its routable address, and waits
+            _keep_ray_on_loopback()
         ray.init(address=address, runtime_env={"env_vars": _not_set_by_job(env_vars)}, log_to_driver=False)
         _no_second_ray()
         return False
@@ -325,6 +327,12 @@ def _no_usage_reporting() -> None:
     thread in the driver that keeps querying the cluster after ray.shutdown(). Both are read at call time."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["RAY_DATA_USAGE_DISABLED"] = "1"
+
+
+def _on_loopback(address: str) -> bool:
+    """Whether a cluster address (`host:port`, `ray://host:port`) names this machine's loopback."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _keep_ray_on_loopback() -> None:
