@@ -110,7 +110,7 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
             engines,
             engine,
             placement.rollout_resources(),
-            "rollout.num_replicas, ray.gpus_per_engine",
+            "rollout.num_replicas, ray.gpus_per_engine" if engine["GPU"] else "rollout.num_replicas",
         ),
         _group("staleness gate", 1, {"CPU": 0.1}, placement.head_resources(), HEAD_CPUS if placement.head else CPUS),
         _group("stream task", 1, {"CPU": 0.25}, {}, CPUS),

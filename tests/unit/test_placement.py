@@ -113,3 +113,8 @@ def test_an_empty_marker_name_is_a_config_error():
     with pytest.raises(ConfigError, match="set both, or ray.placement=anywhere"):
         cfg_of("ray.rollout_resource=''")
     assert cfg_of("ray.rollout_resource=''", "ray.placement=anywhere").ray.rollout_resource == ""
+
+
+def test_the_message_names_only_keys_that_change_the_shortfall():
+    message = problem(cfg_of("rollout.num_replicas=4"), SPLIT)  # CPU engines: their GPU key changes nothing
+    assert "Change rollout.num_replicas, or add nodes" in message
