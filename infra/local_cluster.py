@@ -1,6 +1,7 @@
 """A Ray cluster on this machine, on loopback only, and Ray Jobs submitted to it.
 
     python -m infra.local_cluster up [--num-cpus 8] [--port 6390] [--dashboard-port 8365]
+    python -m infra.local_cluster join [--num-cpus 2] --resources '{"rollout": 1}'
     python -m infra.local_cluster submit [CONFIG.yaml] [key=value ...]
     python -m infra.local_cluster down
 
@@ -20,6 +21,10 @@ Choices, and why:
   loopback keeps other machines out, the token keeps out other users of this one, since a job server runs any
   code it is sent. `ray job submit` reads the same token when RAY_AUTH_MODE=token.
 - The job runs this venv's `asyncrl`: the venv's bin directory leads the head's PATH, which the driver inherits.
+- `join` adds a worker node on this machine (another raylet, infra/worker_node.py, ports and temp dir of its own,
+  on loopback too), marked with custom resources such as `{"trainer": 1}`: a multi-node cluster on one machine, for the
+  placement of ray.placement (pipeline/config/placement.py). Its PID is recorded beside the head's; `down` stops
+  the workers first, the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -109,6 +114,7 @@ class Cluster:
     pid: int
     temp_dir: str
     ports: Ports
+    workers: tuple[Worker, ...] = ()
 
     @property
     def dashboard_url(self) -> str:
@@ -124,18 +130,32 @@ class Cluster:
         if not state.exists():
             return None
         raw = json.loads(state.read_text())
-        return Cluster(raw["pid"], raw["temp_dir"], Ports(**raw["ports"]))
+        workers = tuple(Worker(w["pid"], w["temp_dir"]) for w in raw.get("workers", []))
+        return Cluster(raw["pid"], raw["temp_dir"], Ports(**raw["ports"]), workers)
 
     def save(self, cluster_dir: Path) -> None:
         (cluster_dir / "cluster.json").write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     def head(self) -> psutil.Process | None:
         """The head's `ray start` process, if it still runs; a PID reused by another process is not ours."""
-        try:
-            proc = psutil.Process(self.pid)
-            return proc if f"--temp-dir={self.temp_dir}" in proc.cmdline() else None
-        except psutil.Error:
-            return None
+        return _ours(self.pid, self.temp_dir)
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A worker node's process (infra/worker_node.py), as `join` records it."""
+
+    pid: int
+    temp_dir: str
+
+
+def _ours(pid: int, temp_dir: str) -> psutil.Process | None:
+    """The node process of that PID if it is the one started with that temp dir."""
+    try:
+        proc = psutil.Process(pid)
+        return proc if f"--temp-dir={temp_dir}" in proc.cmdline() else None
+    except psutil.Error:
+        return None
 
 
 def head_command(ray_bin: Path, temp_dir: Path, ports: Ports, num_cpus: int) -> list[str]:
@@ -162,6 +182,24 @@ def head_command(ray_bin: Path, temp_dir: Path, ports: Ports, num_cpus: int) -> 
         f"--metrics-export-port={p.metrics_export}",
         f"--min-worker-port={p.min_worker}",
         f"--max-worker-port={p.max_worker}",
+    ]
+
+
+def worker_command(
+    python: Path, temp_dir: Path, ports: Ports, gcs_address: str, num_cpus: int, resources: dict[str, float]
+) -> list[str]:
+    """A worker node of the cluster at gcs_address (infra/worker_node.py: `ray start --address` would leave
+    loopback), with the ports a node serves on; the GCS, dashboard and client server are the head's."""
+    node_ports = {k: v for k, v in asdict(ports).items() if k not in ("gcs", "dashboard", "ray_client_server")}
+    return [
+        str(python),
+        "-m",
+        "infra.worker_node",
+        f"--address={gcs_address}",
+        f"--temp-dir={temp_dir}",
+        f"--num-cpus={num_cpus}",
+        f"--resources={json.dumps(resources)}",
+        f"--ports={json.dumps(node_ports)}",
     ]
 
 
@@ -238,25 +276,67 @@ def _wait_ready(cluster: Cluster, proc: subprocess.Popen, log: Path, headers: di
     raise TimeoutError(f"the job server at {cluster.dashboard_url} did not answer within {timeout_s:.0f} s; see {log}")
 
 
+def join(cluster_dir: Path, resources: dict[str, float], num_cpus: int = 2, timeout_s: float = 180) -> Worker:
+    """Start a worker node of the cluster in cluster_dir, on this machine, and return once the GCS has it."""
+    cluster = Cluster.load(cluster_dir)
+    if cluster is None or cluster.head() is None:
+        raise RuntimeError(f"no cluster is up in {cluster_dir}; start its head first (`up`)")
+    n = len(cluster.workers) + 1
+    temp_dir = cluster_dir / f"w{n}"  # short: Ray's socket paths under it must fit in 107 bytes
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    cmd = worker_command(Path(sys.executable), temp_dir, Ports.pick(), cluster.gcs_address, num_cpus, resources)
+    log = cluster_dir / f"worker-{n}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=head_env(),
+            start_new_session=True,
+        )
+    worker = Worker(proc.pid, str(temp_dir))
+    replace(cluster, workers=(*cluster.workers, worker)).save(cluster_dir)
+    # The node says so once its raylet is registered with the GCS.
+    deadline = time.monotonic() + timeout_s
+    while "Ray runtime started" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            down(cluster_dir)
+            raise RuntimeError(f"worker node {n} did not start within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return worker
+
+
 def down(cluster_dir: Path, timeout_s: float = 60) -> bool:
-    """Stop the head recorded in cluster_dir and every process it started; returns whether one was running."""
+    """Stop the workers and the head recorded in cluster_dir and every process they started; returns whether the head
+    was running."""
     cluster = Cluster.load(cluster_dir)
     head = cluster.head() if cluster else None
+    for worker in cluster.workers if cluster else ():
+        node = _ours(worker.pid, worker.temp_dir)
+        if node is not None:
+            _stop(node, timeout_s)
     if head is None:
         (cluster_dir / "cluster.json").unlink(missing_ok=True)
         return False
-    started = head.children(recursive=True)  # all ours: the head started them (raylet, GCS, workers, agents)
-    head.send_signal(signal.SIGTERM)
+    _stop(head, timeout_s)
+    (cluster_dir / "cluster.json").unlink()
+    return True
+
+
+def _stop(node: psutil.Process, timeout_s: float) -> None:
+    """SIGTERM to a node's process, whose handler stops what it started; then, by PID, whatever of that is left."""
+    started = node.children(recursive=True)  # all ours: the node started them (raylet, GCS, workers, agents)
+    node.send_signal(signal.SIGTERM)
     try:
-        head.wait(timeout_s)
+        node.wait(timeout_s)
     except psutil.TimeoutExpired:
-        head.kill()
+        node.kill()
     _, alive = psutil.wait_procs(started, timeout=15)
     for proc in alive:  # only processes of this cluster, by PID
         proc.kill()
     psutil.wait_procs(alive, timeout=5)
-    (cluster_dir / "cluster.json").unlink()
-    return True
 
 
 def job_runtime_env(working_dir: Path = ROOT) -> dict:
@@ -320,7 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     up_p.add_argument("--dashboard-port", type=int, default=8365, help="dashboard and job server; 0 picks one")
     submit_p = sub.add_parser("submit", help="submit `asyncrl run` and stream its log")
     submit_p.add_argument("items", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
-    sub.add_parser("down", help="stop the cluster started from --dir")
+    join_p = sub.add_parser("join", help="add a worker node on this machine, marked with custom resources")
+    join_p.add_argument("--num-cpus", type=int, default=2, help="logical CPUs of the node")
+    join_p.add_argument("--resources", type=json.loads, default={}, help="custom resources, e.g. '{\"rollout\": 1}'")
+    sub.add_parser("down", help="stop the cluster started from --dir, its workers too")
     args = parser.parse_args(argv)
     if args.command == "up":
         cluster = up(args.dir, args.num_cpus, args.port, args.dashboard_port)
@@ -329,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "submit":
         return _submit(args.dir, args.items)
+    if args.command == "join":
+        worker = join(args.dir, args.resources, args.num_cpus)
+        print(f"local_cluster: worker pid {worker.pid} joined with {args.resources}, {args.num_cpus} CPUs")
+        return 0
     stopped = down(args.dir)
     print(f"local_cluster: {'stopped the cluster' if stopped else 'no cluster was up'} in {args.dir}")
     return 0

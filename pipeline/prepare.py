@@ -22,8 +22,9 @@ from pipeline import checkpoint
 from pipeline.checkpoint import Checkpoint
 from pipeline.clock import VersionClock
 from pipeline.config import ConfigError, RunConfig, to_yaml
+from pipeline.config.placement import Placement, trainer_rank_gpus
 from pipeline.observe.monitor import Monitor, make_monitor
-from pipeline.stream import wait_for_executors
+from pipeline.stream import check_layout, wait_for_executors
 from pipeline.tasks.admission import AdmissionOrder, PromptSource
 from pipeline.tasks.source import PromptDataError, PromptFile, load_prompts
 from stages.staleness import StalenessBudget
@@ -46,6 +47,7 @@ class RunContext:
     stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
     clock: Any = None  # the actors this attempt started, ended with it on a cluster that outlives the run
     trainer: Any = None
+    placement: Placement = Placement()  # where the actors go (ray.placement), checked against the cluster
 
     @property
     def start_step(self) -> int:
@@ -63,7 +65,13 @@ class RunContext:
         name = "version_clock"
         clock = (
             ray.remote(VersionClock)
-            .options(name=name, namespace=self.namespace, num_cpus=0, max_concurrency=1000)
+            .options(
+                name=name,
+                namespace=self.namespace,
+                num_cpus=0,
+                max_concurrency=1000,
+                resources=self.placement.head_resources(),  # beside the driver and the gate that call it
+            )
             .remote(
                 budget,
                 self.cfg.rollout.num_replicas,
@@ -86,24 +94,26 @@ class RunContext:
             from stages.sim.trainer import SimTrainer
 
             # It only sleeps: no CPU, so it never competes with the stages for one on a 2-core box.
-            return ray.remote(SimTrainer).options(num_cpus=0).remote(dataclasses.asdict(self.cfg.sim))
+            options = {"num_cpus": 0, "resources": self.placement.trainer_resources()}
+            return ray.remote(SimTrainer).options(**options).remote(dataclasses.asdict(self.cfg.sim))
         a, t = self.cfg.actor, self.cfg.trainer
         extra: dict = {"weight_sync_backend": self.cfg.weight_sync.backend}
         if t.backend == "megatron":
             from stages.trainer.megatron_backend import MegatronTrainer as Trainer
 
             extra |= dataclasses.asdict(a.megatron)
+            extra["rank_resources"] = self.placement.trainer_resources()  # its peers sit on rank 0's node
         else:
             from stages.trainer.torch_backend import TorchTrainer as Trainer
 
             extra["rollout_correction"] = self.cfg.algorithm.rollout_correction
         # Megatron's ranks compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
-        gpus = 0.0
-        if t.backend == "megatron" and ray.cluster_resources().get("GPU", 0) > 0:
-            gpus = extra["gpus_per_rank"] = self.cfg.ray.gpus_per_trainer_rank
+        gpus = trainer_rank_gpus(self.cfg, ray.cluster_resources().get("GPU", 0))
+        if gpus:
+            extra["gpus_per_rank"] = gpus
         trainer = (
             ray.remote(Trainer)
-            .options(num_cpus=1, num_gpus=gpus)
+            .options(num_cpus=1, num_gpus=gpus, resources=self.placement.trainer_resources())
             .remote(
                 str(self.model_dir),
                 policy=self._policy(),
@@ -273,6 +283,8 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     # than starting a second Ray beside it (which would also fail on the num_cpus below).
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address:
+        if _on_loopback(address):  # else Ray looks for this machine's nodes at its routable address, and waits
+            _keep_ray_on_loopback()
         ray.init(address=address, runtime_env={"env_vars": _not_set_by_job(env_vars)}, log_to_driver=False)
         _no_second_ray()
         return False
@@ -317,6 +329,12 @@ def _no_usage_reporting() -> None:
     os.environ["RAY_DATA_USAGE_DISABLED"] = "1"
 
 
+def _on_loopback(address: str) -> bool:
+    """Whether a cluster address (`host:port`, `ray://host:port`) names this machine's loopback."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 def _keep_ray_on_loopback() -> None:
     """Ray resolves 127.0.0.1 to the host's routable address and then listens on every interface. Its
     single-machine switch keeps the node, and so every Ray server, on loopback. The switch is read when `ray` is
@@ -352,12 +370,24 @@ def prepare(cfg: RunConfig) -> RunContext:
         if not resumed:  # only now: every input above is checked before the tens of seconds it takes
             warm_start_embedded(cfg, model_dir, run_dir)
         started = start_ray(cfg, run_dir)
+        where = _checked_layout(cfg, started)
     except BaseException:
         monitor.close("FAILED")
         raise
     ctx = RunContext(cfg, run_dir, model_dir, source, f"asyncrl-{run_dir.name}", monitor, started_ray=started)
+    ctx.placement = where
     ctx.resumed, ctx.optimizer_state, ctx.val_prompts = resumed, optimizer_state, val_prompts
     return ctx
+
+
+def _checked_layout(cfg: RunConfig, started_ray: bool) -> Placement:
+    """Where the actors go, once the cluster can hold them; a Ray this run started does not outlive a refusal."""
+    try:
+        return check_layout(cfg)
+    except ConfigError:
+        if started_ray:
+            ray.shutdown()
+        raise
 
 
 def _rewind(cfg: RunConfig, run_dir: Path) -> Checkpoint:

@@ -24,6 +24,9 @@ from ray.data import ActorPoolStrategy, DataContext
 from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, check_signature, import_target, stage_kwargs
+from pipeline.config.placement import Placement, engine_gpus, layout
+from pipeline.config.placement import check as check_placement
+from pipeline.config.placement import resolve as placement_for
 from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
 from pipeline.tasks.source import PromptDataError
 from stages.advantage import ESTIMATORS, whiten_step
@@ -126,20 +129,37 @@ def reference_model_dir(cfg: RunConfig, model_dir: str, run_dir: str) -> str:
     return cfg.model.path if cfg.model.path != "embedded" else str(Path(run_dir) / "model")
 
 
-def engine_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
-    """GPUs a Generate replica asks for: `ray.gpus_per_engine` for a vLLM engine on a cluster with GPUs, else none."""
-    vllm = cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate"
-    return cfg.ray.gpus_per_engine if vllm and cluster_gpus > 0 else 0.0
+def cluster_nodes() -> list[dict[str, float]]:
+    """The resource totals of the cluster's live nodes."""
+    return [node["Resources"] for node in ray.nodes() if node["Alive"]]
+
+
+def placement(cfg: RunConfig) -> Placement:
+    """Where this run's actors go on the cluster it is connected to (ray.placement)."""
+    return placement_for(cfg.ray, cluster_nodes())
+
+
+def check_layout(cfg: RunConfig) -> Placement:
+    """The run's placement, once the cluster is known to be able to hold its actors: a layout it cannot hold fails
+    here, at start, with one message, rather than with an actor that waits for ever."""
+    nodes = cluster_nodes()
+    where = placement_for(cfg.ray, nodes)
+    cluster_gpus = sum(n.get("GPU", 0.0) for n in nodes)
+    problem = check_placement(layout(cfg, where, cluster_gpus, uses_reference(cfg)), nodes)
+    if problem:
+        raise ConfigError(problem)
+    return where
 
 
 def start_validation_engine(cfg: RunConfig, model_dir: str, clock: tuple[str, str], version: int):
     """The dedicated validation engine (async_training.use_trainer_do_validate): one Generate actor outside the
-    stream, with a CPU (and on a GPU cluster a GPU) of its own like a stream replica."""
+    stream, with a CPU (and on a GPU cluster a GPU) of its own like a stream replica, on a rollout node."""
     gen_cls, gen_kwargs = generate_stage(cfg, model_dir, clock, version)
     if "enable_rollout_routing_replay" in gen_kwargs:  # nothing trains on validation samples: no routes to capture
         gen_kwargs["enable_rollout_routing_replay"] = False
     gpus = engine_gpus(cfg, ray.cluster_resources().get("GPU", 0))
-    return ray.remote(gen_cls).options(num_cpus=1, num_gpus=gpus).remote(**gen_kwargs, validation_only=True)
+    options = {"num_cpus": 1, "num_gpus": gpus, "resources": placement(cfg).rollout_resources()}
+    return ray.remote(gen_cls).options(**options).remote(**gen_kwargs, validation_only=True)
 
 
 @contextlib.contextmanager
@@ -166,6 +186,7 @@ def build_stream(
         {"custom_path": crf.path, "custom_name": crf.name, "reward_kwargs": dict(crf.reward_kwargs)},
     )
     adv_cls, adv_kwargs = advantage_stage(cfg)
+    where = placement(cfg)
 
     ds = prompt_dataset(source, clock)
     ds = ds.map_batches(
@@ -174,6 +195,7 @@ def build_stream(
         batch_size=None,
         batch_format="pyarrow",
         num_cpus=0.1,
+        resources=where.head_resources(),  # beside the clock it calls for every block
         # Not restarted: a retried call would ask the clock again for prompts it already admitted. A dead gate ends
         # the run (resume it); and Ray then has no restart to warn about (its "constructor arguments" error line).
         max_restarts=0,
@@ -188,6 +210,7 @@ def build_stream(
         batch_format="pyarrow",
         num_cpus=1,
         num_gpus=engine_gpus(cfg, ray.cluster_resources().get("GPU", 0)),
+        resources=where.rollout_resources(),
         # Ray restarts a replica whose process died and retries its calls there (Ray Data's default, -1: the clock
         # enforces rollout.engine_max_restarts); 0 makes a dead replica end the run.
         max_restarts=-1 if ro.engine_max_restarts > 0 else 0,

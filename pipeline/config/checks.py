@@ -42,6 +42,11 @@ def validate(cfg: RunConfig) -> None:
             "file, or 'embedded' with the embedded task",
         ),
         (cfg.rollout.val_kwargs.n >= 1, "rollout.val_kwargs.n must be >= 1"),
+        (
+            bool(cfg.ray.trainer_resource and cfg.ray.rollout_resource) or cfg.ray.placement == "anywhere",
+            "ray.trainer_resource and ray.rollout_resource name the custom resources of trainer and rollout nodes: "
+            "set both, or ray.placement=anywhere",
+        ),
         *_multi_turn_checks(cfg.rollout.multi_turn),
         *_agent_checks(cfg.rollout.agent.default_agent_loop),
         (

@@ -302,6 +302,17 @@ class RayConfig:
     and a trainer rank on one GPU)."""
     gpus_per_trainer_rank: float = 1.0
     """GPUs each Megatron trainer rank asks Ray for, on a cluster that has GPUs."""
+    placement: Literal["auto", "required", "anywhere"] = "auto"
+    """Where the actors go (pipeline/config/placement.py). 'auto': the trainer's ranks on nodes that have the
+    custom resource `trainer_resource`, the engines on nodes that have `rollout_resource`, each only if the cluster
+    has such nodes, and then the control actors (clock, gate) on the head; on one machine nothing changes. 'required':
+    the same, and a cluster without those nodes fails at start. 'anywhere': wherever Ray puts them."""
+    trainer_resource: str = "trainer"
+    """Custom resource that marks trainer nodes (`ray start --resources='{"trainer": 1}'`); a Megatron TP group
+    stays on one such node."""
+    rollout_resource: str = "rollout"
+    """Custom resource that marks rollout nodes, where the vLLM engines (stream replicas and the validation engine)
+    go."""
 
 
 @dataclass

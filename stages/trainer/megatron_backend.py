@@ -59,8 +59,10 @@ class MegatronTrainer:
         weight_sync_backend: str = "gloo",
         export_bucket_mb: int = 64,
         gpus_per_rank: float = 0.0,
+        rank_resources: dict[str, float] | None = None,
     ) -> None:
-        """`gpus_per_rank`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a GPU cluster)."""
+        """`gpus_per_rank`, `rank_resources`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a GPU
+        cluster; a share of the trainer nodes' custom resource, pipeline/config/placement.py)."""
         if pipeline_model_parallel_size != 1:
             raise ValueError("megatron.pipeline_model_parallel_size > 1 is not supported yet: use tensor parallelism")
         kwargs = dict(
@@ -73,8 +75,13 @@ class MegatronTrainer:
         self.peers = []
         if world > 1:
             import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            remote_rank = ray.remote(MegatronRank).options(num_cpus=0, num_gpus=gpus_per_rank)
+            # On this node: the ranks meet on 127.0.0.1, and a TP group's collectives want one node's links.
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            remote_rank = ray.remote(MegatronRank).options(
+                num_cpus=0, num_gpus=gpus_per_rank, resources=rank_resources or {}, scheduling_strategy=here
+            )
             self.peers = [remote_rank.remote(model_dir, r, world, port, **kwargs) for r in range(1, world)]
         self.rank = MegatronRank(model_dir, 0, world, port, **kwargs)  # joins the peers' rendezvous
         self.model_dir = Path(model_dir)

@@ -74,3 +74,32 @@ def test_launcher_splits_trainer_and_rollout_and_keeps_the_dashboard_on_loopback
     assert types["rollout"]["resources"] == {"rollout": 1}
     (start,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
     assert "--dashboard-host=127.0.0.1" in start
+
+
+def rayjob_nodes() -> list[dict[str, float]]:
+    """The RayJob's nodes as Ray would report their totals: the pods' CPU and GPU limits, the groups' markers."""
+    from pipeline.config.placement import HEAD
+
+    cluster = load(RAYJOB)["spec"]["rayClusterSpec"]
+    (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    nodes = [{"CPU": float(head["resources"]["limits"]["cpu"]), "GPU": 0.0, HEAD: 1.0}]
+    for group in cluster["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        limits = container["resources"]["limits"]
+        marks = json.loads(json.loads(group["rayStartParams"]["resources"]))
+        node = {"CPU": float(limits["cpu"]), "GPU": float(limits["nvidia.com/gpu"]), **marks}
+        nodes += [node] * group["replicas"]
+    return nodes
+
+
+@pytest.mark.parametrize("name", ["rayjob", "launcher"])
+def test_the_job_places_trainer_and_engines_on_the_marked_nodes(name):
+    from pipeline.config.placement import check, layout, resolve
+
+    argv = shlex.split(entrypoints()[name])
+    cfg = load_config(CONF_DIR / Path(argv[2]).name, argv[3:])
+    assert cfg.ray.placement == "required"  # a cluster without the marked nodes fails at start instead
+    nodes = rayjob_nodes()  # the launcher's node types carry the same markers (test above)
+    where = resolve(cfg.ray, nodes)
+    assert {where.trainer, where.rollout} == {"trainer", "rollout"} and where.head
+    assert check(layout(cfg, where, sum(n["GPU"] for n in nodes), reference=False), nodes) is None

@@ -80,3 +80,24 @@ def test_down_without_a_cluster_is_a_no_op(tmp_path):
     lc.Cluster(pid=os.getpid(), temp_dir=str(tmp_path / "ray"), ports=lc.Ports.pick()).save(tmp_path)
     assert lc.down(tmp_path) is False  # a PID that is not a head started from this directory is left alone
     assert not (tmp_path / "cluster.json").exists()
+
+
+def test_a_worker_node_joins_on_loopback_with_its_own_ports_marked_with_its_resources(tmp_path):
+    import json
+
+    ports = lc.Ports.pick()
+    cmd = lc.worker_command(Path("/venv/bin/python"), tmp_path, ports, "127.0.0.1:6390", 2, {"rollout": 1})
+    assert cmd[:3] == ["/venv/bin/python", "-m", "infra.worker_node"]
+    assert "--address=127.0.0.1:6390" in cmd and '--resources={"rollout": 1}' in cmd
+    assert f"--temp-dir={tmp_path}" in cmd and "--num-cpus=2" in cmd
+    (given,) = [json.loads(arg.split("=", 1)[1]) for arg in cmd if arg.startswith("--ports=")]
+    head_only = {"gcs", "dashboard", "ray_client_server"}
+    assert given == {k: v for k, v in vars(ports).items() if k not in head_only}
+
+
+def test_the_cluster_record_keeps_its_workers(tmp_path):
+    cluster = lc.Cluster(123, "/tmp/x", lc.Ports.pick(), (lc.Worker(456, "/tmp/x/w1"),))
+    cluster.save(tmp_path)
+    assert lc.Cluster.load(tmp_path) == cluster
+    assert lc.down(tmp_path) is False  # neither PID is a `ray start` of these temp dirs: nothing is signalled
+    assert not (tmp_path / "cluster.json").exists()

@@ -47,6 +47,24 @@ def test_variables_the_job_sets_are_left_to_the_job(monkeypatch, tmp_path, ray_i
     assert set(ray_init_calls[0]["runtime_env"]["env_vars"]) == {"PYTHONPATH", "TOKENIZERS_PARALLELISM"}
 
 
+@pytest.mark.parametrize(
+    "address, loopback",
+    [("127.0.0.1:6390", True), ("localhost:6390", True), ("ray://127.0.0.1:10001", True), ("10.0.0.5:6379", False)],
+)
+def test_a_driver_joining_a_loopback_cluster_keeps_ray_on_loopback(
+    monkeypatch, tmp_path, ray_init_calls, address, loopback
+):
+    # Ray turns 127.0.0.1 into the host's routable address unless its single-machine switch is on; then the driver
+    # looks for a node there, where none of a loopback cluster's nodes is, and waits for ever.
+    from ray._private import ray_constants
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    monkeypatch.delenv(JOB_CONFIG_VAR, raising=False)
+    start_ray(load_config(None, [f"ray.address={address}"]), tmp_path)
+    assert ray_constants.ENABLE_RAY_CLUSTER is not loopback
+
+
 def test_job_config_variable_name_is_rays():
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 

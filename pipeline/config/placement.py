@@ -1,0 +1,190 @@
+"""Where the run's actors go on a Ray cluster (`ray.placement`), and whether the cluster can hold them at all.
+
+A custom resource marks a kind of node (`ray start --resources='{"trainer": 1}'`). Every actor that belongs on such a
+node asks for SHARE of it: a marker, not a limit (a thousand actors fit beside a `trainer: 1`), so Ray puts it on
+one of those nodes and nowhere else. With placement on, the control actors (the version clock, the staleness gate)
+ask for a share of `node:__internal_head__`, which Ray gives the head alone: the driver is there too (Ray Jobs starts
+it on the head), and the gate calls the clock for every block. On one machine the cluster has no marked node, so
+'auto' changes nothing there.
+
+`check` compares what the layout asks for with the nodes' totals (not what is free now: a layout that waits for
+another job's actors is not refused) and returns one message naming both. Without it an actor that no node can
+hold waits for ever, and the run hangs without a word. The rules are necessary conditions, not a bin packing: every
+bundle (what must share one node: an actor, a Megatron TP group) fits on some node that may take it, and the
+bundles bound to a kind of node fit in those nodes' sum, as everything fits in the cluster's.
+
+Pure: no Ray here. The driver reads the nodes (`ray.nodes()`) and sets each actor's options from a Placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pipeline.config.schema import RayConfig, RunConfig
+
+SHARE = 0.001
+HEAD = "node:__internal_head__"
+VLLM = "stages.generate.VLLMGenerate"
+CPUS, HEAD_CPUS = "ray.num_cpus (a local Ray) or the nodes' --num-cpus", "the head's --num-cpus"
+# Resources the driver never asks for: not worth listing in a message.
+_UNSHOWN = ("memory", "object_store_memory", "accelerator_type:")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The custom resource each kind of actor asks for; empty: anywhere Ray puts it."""
+
+    trainer: str = ""
+    rollout: str = ""
+    head: bool = False
+
+    def trainer_resources(self) -> dict[str, float]:
+        return {self.trainer: SHARE} if self.trainer else {}
+
+    def rollout_resources(self) -> dict[str, float]:
+        return {self.rollout: SHARE} if self.rollout else {}
+
+    def head_resources(self) -> dict[str, float]:
+        return {HEAD: SHARE} if self.head else {}
+
+
+def resolve(ray_cfg: RayConfig, nodes: list[Mapping[str, float]]) -> Placement:
+    """`ray.placement` against the cluster's nodes (each a map of resource totals)."""
+    if ray_cfg.placement == "anywhere":
+        return Placement()
+    required = ray_cfg.placement == "required"
+
+    def wanted(resource: str) -> str:
+        return resource if required or any(n.get(resource, 0) > 0 for n in nodes) else ""
+
+    trainer, rollout = wanted(ray_cfg.trainer_resource), wanted(ray_cfg.rollout_resource)
+    return Placement(trainer, rollout, head=bool(trainer or rollout))
+
+
+def engine_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
+    """GPUs a Generate replica asks for: `ray.gpus_per_engine` for a vLLM engine on a cluster with GPUs, else none."""
+    return cfg.ray.gpus_per_engine if cfg.stages.generate["_target_"] == VLLM and cluster_gpus > 0 else 0.0
+
+
+def trainer_rank_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
+    """GPUs each trainer rank asks for: Megatron's ranks compute on GPUs when the cluster has them."""
+    return cfg.ray.gpus_per_trainer_rank if cfg.trainer.backend == "megatron" and cluster_gpus > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Group:
+    """`count` bundles of `bundle`: what must share one node (an actor, a TP group's ranks)."""
+
+    name: str
+    count: int
+    bundle: dict[str, float]
+    keys: str  # the config keys that size it, for the message
+    on: str = ""  # the custom resource its nodes must have (from `bundle`); empty: any node
+
+    def total(self, resource: str) -> float:
+        return self.count * self.bundle.get(resource, 0.0)
+
+
+def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference: bool) -> list[Group]:
+    """What the run's actors ask Ray for, as prepare.py and stream.py ask it (`reference`: the stream computes
+    reference logprobs)."""
+    t, tp = cfg.trainer, cfg.actor.megatron.tensor_model_parallel_size
+    ranks = tp if t.backend == "megatron" else 1
+    trainer_cpus = 0.0 if t.backend == "sim" else 1.0  # the first rank's; Megatron's peers ask for none
+    trainer = {"CPU": trainer_cpus, "GPU": ranks * trainer_rank_gpus(cfg, cluster_gpus)}
+    engine = {"CPU": 1.0, "GPU": engine_gpus(cfg, cluster_gpus)}
+    engines = cfg.rollout.num_replicas + (1 if cfg.async_training.use_trainer_do_validate else 0)
+    groups = [
+        _group(
+            f"trainer ({ranks} rank{'s' * (ranks > 1)} on one node)" if ranks > 1 else "trainer",
+            1,
+            trainer,
+            {placement.trainer: ranks * SHARE} if placement.trainer else {},
+            "actor.megatron.tensor_model_parallel_size, ray.gpus_per_trainer_rank"
+            if ranks > 1 or trainer["GPU"]
+            else "",
+        ),
+        _group(
+            "engine",
+            engines,
+            engine,
+            placement.rollout_resources(),
+            "rollout.num_replicas, ray.gpus_per_engine" if engine["GPU"] else "rollout.num_replicas",
+        ),
+        _group("staleness gate", 1, {"CPU": 0.1}, placement.head_resources(), HEAD_CPUS if placement.head else CPUS),
+        _group("stream task", 1, {"CPU": 0.25}, {}, CPUS),
+    ]
+    if reference:
+        groups.append(_group("reference model", 1, {"CPU": 0.5}, {}, "actor.use_kl_loss, algorithm.use_kl_in_reward"))
+    return groups
+
+
+def _group(name: str, count: int, bundle: dict[str, float], custom: dict[str, float], keys: str) -> Group:
+    on = next(iter(custom), "")
+    return Group(name, count, {k: v for k, v in {**bundle, **custom}.items() if v > 0}, keys, on)
+
+
+def check(groups: list[Group], nodes: list[Mapping[str, float]]) -> str | None:
+    """None if the cluster may hold every group; else one message naming what is asked for and what is there."""
+    groups = [g for g in groups if g.count > 0]
+    problems: list[tuple[str, str]] = []  # (what is wrong, the keys that change it)
+    for on in sorted({g.on for g in groups}):
+        bound = [g for g in groups if g.on == on] if on else groups
+        pool = [n for n in nodes if n.get(on, 0) > 0] if on else list(nodes)
+        if not pool:
+            names = " and the ".join(g.name for g in bound)
+            problems.append((f"the {names} must go on nodes with `{on}`, and no node has it", _marker_keys(on)))
+            continue
+        too_big = [p for g in bound if g.on == on for p in [_fits_one_node(g, pool)] if p]
+        problems += too_big
+        short = [r for r in ("CPU", "GPU") if sum(g.total(r) for g in bound) > _sum(pool, r) + 1e-9]
+        if short and not too_big:
+            asked = ", ".join(f"{g.count} x {g.name} ({_resources(g.bundle)})" for g in bound)
+            where = _where(on) or "the cluster"
+            need = ", ".join(f"{sum(g.total(r) for g in bound):g} {r}" for r in short)
+            have = ", ".join(f"{_sum(pool, r):g} {r}" for r in short)
+            problems.append((f"{asked} ask for {need} on {where}, which has {have}", _keys(bound)))
+    if not problems:
+        return None
+    keys = sorted({k for _, ks in problems for k in ks.split(", ") if k})
+    return (
+        f"the Ray cluster cannot place this layout: {'; '.join(p for p, _ in problems)}. Nodes: {_describe(nodes)}. "
+        f"Change {', '.join(keys)}, or add nodes; ray.placement=anywhere places the actors without the node markers"
+    )
+
+
+def _fits_one_node(group: Group, pool: list[Mapping[str, float]]) -> tuple[str, str] | None:
+    need = {r: v for r, v in group.bundle.items() if r in ("CPU", "GPU")}
+    if not need or any(all(n.get(r, 0.0) + 1e-9 >= v for r, v in need.items()) for n in pool):
+        return None
+    if group.on == HEAD:
+        return f"a {group.name} needs {_resources(need)} on the head, which has less", group.keys
+    where = f" with `{group.on}`" if group.on else ""
+    return f"a {group.name} needs {_resources(need)} on one node{where}, and none has that much", group.keys
+
+
+def _keys(groups: list[Group]) -> str:
+    return ", ".join(g.keys for g in groups)
+
+
+def _marker_keys(on: str) -> str:
+    return HEAD_CPUS if on == HEAD else "ray.trainer_resource, ray.rollout_resource, ray.placement"
+
+
+def _sum(nodes: list[Mapping[str, float]], resource: str) -> float:
+    return sum(n.get(resource, 0.0) for n in nodes)
+
+
+def _where(on: str) -> str:
+    return "" if not on else "the head" if on == HEAD else f"nodes with `{on}`"
+
+
+def _resources(r: Mapping[str, float]) -> str:
+    shown = {k: v for k, v in r.items() if k in ("CPU", "GPU") or not k.startswith(_UNSHOWN + ("node:",))}
+    shown = {k: v for k, v in shown.items() if k in ("CPU", "GPU") or v >= 1}  # an actor's marker share is noise
+    return ", ".join(f"{v:g} {k}" for k, v in sorted(shown.items())) or "0 CPU"
+
+
+def _describe(nodes: list[Mapping[str, float]]) -> str:
+    return "; ".join(f"{'head' if HEAD in n else f'node {i}'}: {_resources(n)}" for i, n in enumerate(nodes, 1))

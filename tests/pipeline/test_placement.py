@@ -1,0 +1,121 @@
+"""A multi-node Ray cluster on this machine, and a run placed on it by ray.placement.
+
+A head and two worker nodes, each a raylet of its own joined to the head (infra/local_cluster.py: join), one marked
+`trainer: 1`, one `rollout: 1`. The embedded job joins the cluster (`ray.address`) with two engine replicas and
+`ray.placement=required`. Ray's own record of the run's actors (the state API on the head's dashboard, which reads
+the GCS and keeps ended actors) says which node ran each: every trainer rank on the trainer node, both Generate
+replicas on the rollout node, the version clock and the staleness gate on the head. The run passes its audit.
+
+The job runs in a process of its own: this pytest process may hold the local Ray of the other pipeline tests, and a
+process joins one cluster. The cluster is stopped by its nodes' PIDs (local_cluster.down), never by `ray stop`.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from infra import local_cluster as lc
+from tests.pipeline.test_modes import SMALL
+
+HEAD_CPUS = 2  # the gate, the stream's tasks (reward, advantage, sample log), the prompt reader
+WORKERS = [({"trainer": 1}, 1), ({"rollout": 1}, 2)]  # (marker, CPUs): one trainer rank, two engines
+SHORT = [*SMALL, "rollout.total_rollout_steps=16"]  # 4 steps of 4 prompts
+
+
+def state(cluster: lc.Cluster, what: str) -> list[dict]:
+    """Rows of Ray's state API (`ray list actors --detail`), read over HTTP from the head's dashboard."""
+    url = f"{cluster.dashboard_url}/api/v0/{what}?detail=1&limit=10000"
+    with urllib.request.urlopen(urllib.request.Request(url, headers=lc.auth_headers()), timeout=60) as reply:
+        return json.loads(reply.read())["data"]["result"]["result"]
+
+
+def node_kinds(nodes: list[dict]) -> dict[str, str]:
+    """node id -> 'head', 'trainer' or 'rollout', from each node's resources."""
+    kinds = {}
+    for node in nodes:
+        marks = [m for m in ("trainer", "rollout") if node["resources_total"].get(m)]
+        kinds[node["node_id"]] = "head" if node["is_head_node"] else "+".join(marks) or "unmarked"
+    return kinds
+
+
+def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
+    """Every process of the cluster: its nodes' `ray start` and what they started."""
+    cluster = lc.Cluster.load(cluster_dir)
+    if cluster is None:
+        return []
+    procs = []
+    for pid in [cluster.pid, *(w.pid for w in cluster.workers)]:
+        try:
+            node = psutil.Process(pid)
+            procs += [node, *node.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return procs
+
+
+def run_job(cluster: lc.Cluster, output_dir: Path) -> subprocess.CompletedProcess:
+    overrides = [
+        *SHORT,
+        "rollout.num_replicas=2",
+        "ray.placement=required",
+        f"ray.address={cluster.gcs_address}",
+        "ray.no_progress_timeout_s=600",
+        "trainer.monitor=jsonl",
+        f"trainer.output_dir={output_dir}",
+        "trainer.run_name=placed",
+    ]
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "conf/default.yaml", *overrides]
+    env = {**lc.client_env(), "PYTHONPATH": str(lc.ROOT)}  # this checkout's code, for the driver and its workers
+    return subprocess.run(cmd, cwd=lc.ROOT, env=env, capture_output=True, text=True, timeout=1500)
+
+
+@pytest.mark.slow
+def test_trainer_engines_and_control_actors_run_on_their_nodes(tmp_path):
+    cluster_dir = Path(tempfile.mkdtemp(prefix="arp-", dir="/tmp"))  # short: socket paths fit in 107 bytes
+    procs: list[psutil.Process] = []
+    timings = {}
+    try:
+        start = time.monotonic()
+        cluster = lc.up(cluster_dir, num_cpus=HEAD_CPUS)
+        for marker, cpus in WORKERS:
+            lc.join(cluster_dir, marker, num_cpus=cpus)
+        timings["cluster_up_s"] = time.monotonic() - start
+        procs = cluster_processes(cluster_dir)
+        start = time.monotonic()
+        job = run_job(cluster, tmp_path)
+        timings["job_s"] = time.monotonic() - start
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-6000:]
+        actors, kinds = state(cluster, "actors"), node_kinds(state(cluster, "nodes"))
+    finally:
+        start = time.monotonic()
+        lc.down(cluster_dir)
+        timings["cluster_down_s"] = time.monotonic() - start
+    print(f"placement test: {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
+    assert not [p for p in procs if p.is_running()]  # is_running also tells a reused PID from ours
+    shutil.rmtree(cluster_dir, ignore_errors=True)
+
+    assert sorted(kinds.values()) == ["head", "rollout", "trainer"]
+    # Ray Data's stage actors are all of class _MapWorker; the stage is in their name, e.g.
+    # MapWorker(MapBatches(StalenessGate)).
+    where = [(a.get("repr_name") or a["class_name"], kinds.get(a["node_id"], "?")) for a in actors]
+    print("placement test: actors and their nodes:", where)
+    # Every trainer rank: today one TorchTrainer; data-parallel and Megatron ranks end in Trainer or Rank too.
+    trainer = [node for name, node in where if name.endswith(("Trainer", "Rank"))]
+    generate = [node for name, node in where if "(VLLMGenerate)" in name]
+    gate = [node for name, node in where if "(StalenessGate)" in name]
+    clock = [node for name, node in where if name == "VersionClock"]
+    assert trainer and set(trainer) == {"trainer"}, where
+    assert generate == ["rollout", "rollout"], where
+    assert gate == clock == ["head"], where
+
+    summary = json.loads((tmp_path / "placed" / "summary.json").read_text())
+    assert summary["audit_ok"]
+    assert summary["steps"] == 4

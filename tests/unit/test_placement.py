@@ -1,0 +1,120 @@
+"""ray.placement: which actors ask for which node marker, and the check that refuses a layout the cluster cannot hold.
+
+Nodes are written as Ray reports them (`ray.nodes()[i]["Resources"]`); no Ray is started here.
+"""
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.config.placement import HEAD, SHARE, Placement, check, layout, resolve
+
+HEAD_NODE = {"CPU": 2.0, HEAD: 1.0, "node:127.0.0.1": 1.0, "memory": 8e9, "object_store_memory": 2e9}
+TRAINER_NODE = {"CPU": 1.0, "trainer": 1.0, "node:127.0.0.1": 1.0}
+ROLLOUT_NODE = {"CPU": 3.0, "rollout": 1.0, "node:127.0.0.1": 1.0}
+ONE_MACHINE = [{"CPU": 8.0, HEAD: 1.0, "node:127.0.0.1": 1.0}]
+SPLIT = [HEAD_NODE, TRAINER_NODE, ROLLOUT_NODE]
+
+
+def cfg_of(*overrides):
+    return load_config(None, list(overrides))
+
+
+def problem(cfg, nodes, reference=False):
+    where = resolve(cfg.ray, nodes)
+    return check(layout(cfg, where, sum(n.get("GPU", 0.0) for n in nodes), reference), nodes)
+
+
+def test_one_machine_keeps_todays_options():
+    where = resolve(cfg_of().ray, ONE_MACHINE)
+    assert where == Placement()
+    assert where.trainer_resources() == where.rollout_resources() == where.head_resources() == {}
+
+
+def test_marked_nodes_steer_trainer_engines_and_control_actors():
+    where = resolve(cfg_of().ray, SPLIT)
+    assert where.trainer_resources() == {"trainer": SHARE}
+    assert where.rollout_resources() == {"rollout": SHARE}
+    assert where.head_resources() == {HEAD: SHARE}
+
+
+def test_only_the_kind_of_node_the_cluster_has_is_used_in_auto():
+    where = resolve(cfg_of().ray, [HEAD_NODE, ROLLOUT_NODE])
+    assert where == Placement(trainer="", rollout="rollout", head=True)
+
+
+def test_anywhere_ignores_the_markers_and_custom_names_are_read():
+    assert resolve(cfg_of("ray.placement=anywhere").ray, SPLIT) == Placement()
+    nodes = [HEAD_NODE, {"CPU": 4.0, "learner": 1.0}]
+    where = resolve(cfg_of("ray.trainer_resource=learner").ray, nodes)
+    assert where.trainer_resources() == {"learner": SHARE} and where.rollout_resources() == {}
+
+
+def test_a_layout_that_fits_passes():
+    assert problem(cfg_of("rollout.num_replicas=2"), SPLIT) is None
+    assert problem(cfg_of("rollout.num_replicas=2"), ONE_MACHINE, reference=True) is None
+
+
+def test_too_many_engines_for_the_rollout_nodes_names_asked_available_and_keys():
+    message = problem(cfg_of("rollout.num_replicas=4"), SPLIT)
+    assert "4 x engine (1 CPU) ask for 4 CPU on nodes with `rollout`, which has 3 CPU" in message
+    assert "rollout.num_replicas" in message and "ray.placement=anywhere" in message
+    assert "node 3: 3 CPU, 1 rollout" in message  # what each node has
+
+
+def test_too_many_engines_on_one_machine():
+    message = problem(cfg_of("rollout.num_replicas=8"), ONE_MACHINE)
+    assert "ask for 9.35 CPU on the cluster, which has 8 CPU" in message
+    assert "ray.num_cpus" in message and "rollout.num_replicas" in message
+
+
+def test_required_without_marked_nodes_fails():
+    message = problem(cfg_of("ray.placement=required"), ONE_MACHINE)
+    assert "the trainer must go on nodes with `trainer`, and no node has it" in message
+    assert "the engine must go on nodes with `rollout`, and no node has it" in message
+    assert "ray.trainer_resource" in message
+
+
+def test_a_head_without_cpus_cannot_hold_the_gate():
+    nodes = [{**HEAD_NODE, "CPU": 0.0}, TRAINER_NODE, ROLLOUT_NODE]
+    message = problem(cfg_of(), nodes)
+    assert "a staleness gate needs 0.1 CPU on the head, which has less" in message
+    assert "the head's --num-cpus" in message
+
+
+def test_gpus_are_counted_on_the_rollout_nodes():
+    nodes = [HEAD_NODE, {"CPU": 32.0, "GPU": 8.0, "trainer": 1.0}, {"CPU": 32.0, "GPU": 4.0, "rollout": 1.0}]
+    assert problem(cfg_of("rollout.num_replicas=4"), nodes) is None
+    message = problem(cfg_of("rollout.num_replicas=8"), nodes)
+    assert "ask for 8 GPU on nodes with `rollout`, which has 4 GPU" in message
+    assert "ray.gpus_per_engine" in message
+
+
+@pytest.mark.parametrize("tp, fits", [(4, True), (8, False)])
+def test_a_megatron_tp_group_must_fit_on_one_trainer_node(tp, fits):
+    # 8 trainer GPUs in all, 4 per node: TP=8 cannot be packed on one node although the sum would do
+    nodes = [HEAD_NODE, *[{"CPU": 32.0, "GPU": 4.0, "trainer": 1.0}] * 2, {"CPU": 32.0, "GPU": 8.0, "rollout": 1.0}]
+    cfg = cfg_of("trainer.backend=megatron", f"actor.megatron.tensor_model_parallel_size={tp}")
+    message = problem(cfg, nodes)
+    if fits:
+        assert message is None
+    else:
+        assert "a trainer (8 ranks on one node) needs 1 CPU, 8 GPU on one node with `trainer`" in message
+        assert "actor.megatron.tensor_model_parallel_size" in message
+
+
+def test_the_validation_engine_counts_as_an_engine():
+    cfg = cfg_of("rollout.num_replicas=3", "async_training.use_trainer_do_validate=true")
+    assert "4 x engine (1 CPU) ask for 4 CPU" in problem(cfg, SPLIT)
+
+
+def test_an_empty_marker_name_is_a_config_error():
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="set both, or ray.placement=anywhere"):
+        cfg_of("ray.rollout_resource=''")
+    assert cfg_of("ray.rollout_resource=''", "ray.placement=anywhere").ray.rollout_resource == ""
+
+
+def test_the_message_names_only_keys_that_change_the_shortfall():
+    message = problem(cfg_of("rollout.num_replicas=4"), SPLIT)  # CPU engines: their GPU key changes nothing
+    assert "Change rollout.num_replicas, or add nodes" in message
