@@ -93,13 +93,18 @@ class RunContext:
             from stages.trainer.megatron_backend import MegatronTrainer as Trainer
 
             extra |= dataclasses.asdict(a.megatron)
+        elif a.fsdp_config.fsdp_size > 1:
+            from stages.trainer.fsdp_backend import FSDPTrainer as Trainer
+
+            extra |= {"rollout_correction": self.cfg.algorithm.rollout_correction, **dataclasses.asdict(a.fsdp_config)}
         else:
             from stages.trainer.torch_backend import TorchTrainer as Trainer
 
             extra["rollout_correction"] = self.cfg.algorithm.rollout_correction
-        # Megatron's ranks compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
+        # Multi-rank trainers compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
         gpus = 0.0
-        if t.backend == "megatron" and ray.cluster_resources().get("GPU", 0) > 0:
+        ranks = t.backend == "megatron" or a.fsdp_config.fsdp_size > 1
+        if ranks and ray.cluster_resources().get("GPU", 0) > 0:
             gpus = extra["gpus_per_rank"] = self.cfg.ray.gpus_per_trainer_rank
         trainer = (
             ray.remote(Trainer)
