@@ -299,8 +299,15 @@ def publish(tensors: Iterable[tuple[str, torch.Tensor]], url: str) -> dict[str, 
     from safetensors.torch import save
 
     start = time.monotonic()
-    # safetensors writes one header for all tensors, so the file needs them all at once, on CPU.
-    blob = save({name: t.detach().cpu().contiguous() for name, t in tensors})
+    # safetensors writes one header for all tensors, so the file needs them all at once, on CPU; it refuses two
+    # names on one storage, so a tied head is written as a copy of the embedding.
+    named, storages = {}, set()
+    for name, t in tensors:
+        t = t.detach().cpu().contiguous()
+        storage = t.untyped_storage().data_ptr()
+        named[name] = t.clone() if storage in storages else t
+        storages.add(storage)
+    blob = save(named)
     fs, path = fsspec.core.url_to_fs(url)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "wb") as f:

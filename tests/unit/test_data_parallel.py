@@ -97,3 +97,20 @@ def test_fsdp_size_key():
 def test_bad_fsdp_sizes_are_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_a_tied_head_follows_its_embedding_and_is_published_as_a_copy(tmp_path):
+    """The export gathers each parameter once: a tied head must come right after the embedding it reuses."""
+    from safetensors.numpy import load_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from stages.trainer.torch_backend import TorchTrainer
+
+    shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=40, tie_word_embeddings=True, **shape)).save_pretrained(tmp_path / "m")
+    trainer = TorchTrainer(str(tmp_path / "m"))
+    names = trainer.weight_meta()["names"]
+    assert names[names.index("model.embed_tokens.weight") + 1] == "lm_head.weight"
+    trainer.publish_weights(str(tmp_path / "w.safetensors"))  # safetensors refuses two names on one storage
+    weights = load_file(tmp_path / "w.safetensors")
+    assert list(weights) != [] and (weights["lm_head.weight"] == weights["model.embed_tokens.weight"]).all()
