@@ -103,11 +103,16 @@ class RunContext:
 
             extra |= dataclasses.asdict(a.megatron)
             extra["rank_resources"] = self.placement.trainer_resources()  # its peers sit on rank 0's node
+        elif a.fsdp_config.fsdp_size > 1:
+            from stages.trainer.fsdp_backend import FSDPTrainer as Trainer
+
+            extra |= {"rollout_correction": self.cfg.algorithm.rollout_correction, **dataclasses.asdict(a.fsdp_config)}
+            extra["rank_resources"] = self.placement.trainer_resources()
         else:
             from stages.trainer.torch_backend import TorchTrainer as Trainer
 
             extra["rollout_correction"] = self.cfg.algorithm.rollout_correction
-        # Megatron's ranks compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
+        # Multi-rank trainers compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
         gpus = trainer_rank_gpus(self.cfg, ray.cluster_resources().get("GPU", 0))
         if gpus:
             extra["gpus_per_rank"] = gpus

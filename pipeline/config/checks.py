@@ -61,7 +61,9 @@ def validate(cfg: RunConfig) -> None:
             "rollout.total_rollout_steps must cover at least one step (require_batches * ppo_mini_batch_size)",
         ),
     ]
-    for ok, message in checks + _correction_checks(cfg) + _megatron_checks(cfg) + _reward_checks(cfg):
+    for ok, message in (
+        checks + _correction_checks(cfg) + _megatron_checks(cfg) + _fsdp_checks(cfg) + _reward_checks(cfg)
+    ):
         if not ok:
             raise ConfigError(message)
     monitor_names(cfg.trainer.monitor)
@@ -153,6 +155,22 @@ def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
         (
             not rc.active or recompute,
             f"{key} compares trainer and engine logprobs: set async_training.compute_prox_log_prob=true",
+        ),
+    ]
+
+
+def _fsdp_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    size, key = cfg.actor.fsdp_config.fsdp_size, "actor.fsdp_config.fsdp_size"
+    return [
+        (
+            size >= 1,
+            f"{key} must be >= 1 (the torch trainer's data-parallel ranks), not {size}; verl's -1 ('every trainer "
+            "GPU') has no counterpart here: give the number, 1 for a single process",
+        ),
+        (
+            size == 1 or cfg.trainer.backend == "torch",
+            f"{key}={size} shards the torch trainer, but trainer.backend={cfg.trainer.backend}: set "
+            f"trainer.backend=torch or {key}=1",
         ),
     ]
 

@@ -68,8 +68,10 @@ def engine_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
 
 
 def trainer_rank_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
-    """GPUs each trainer rank asks for: Megatron's ranks compute on GPUs when the cluster has them."""
-    return cfg.ray.gpus_per_trainer_rank if cfg.trainer.backend == "megatron" and cluster_gpus > 0 else 0.0
+    """GPUs each trainer rank asks for: multi-rank trainers (Megatron, FSDP) compute on GPUs when the cluster has
+    them."""
+    ranks = cfg.trainer.backend == "megatron" or cfg.actor.fsdp_config.fsdp_size > 1
+    return cfg.ray.gpus_per_trainer_rank if ranks and cluster_gpus > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,8 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
     """What the run's actors ask Ray for, as prepare.py and stream.py ask it (`reference`: the stream computes
     reference logprobs)."""
     t, tp = cfg.trainer, cfg.actor.megatron.tensor_model_parallel_size
-    ranks = tp if t.backend == "megatron" else 1
-    trainer_cpus = 0.0 if t.backend == "sim" else 1.0  # the first rank's; Megatron's peers ask for none
+    ranks = tp if t.backend == "megatron" else cfg.actor.fsdp_config.fsdp_size if t.backend == "torch" else 1
+    trainer_cpus = 0.0 if t.backend == "sim" else 1.0  # the first rank's; the peers ask for none
     trainer = {"CPU": trainer_cpus, "GPU": ranks * trainer_rank_gpus(cfg, cluster_gpus)}
     engine = {"CPU": 1.0, "GPU": engine_gpus(cfg, cluster_gpus)}
     engines = cfg.rollout.num_replicas + (1 if cfg.async_training.use_trainer_do_validate else 0)
@@ -101,7 +103,7 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
             1,
             trainer,
             {placement.trainer: ranks * SHARE} if placement.trainer else {},
-            "actor.megatron.tensor_model_parallel_size, ray.gpus_per_trainer_rank"
+            "actor.megatron.tensor_model_parallel_size, actor.fsdp_config.fsdp_size, ray.gpus_per_trainer_rank"
             if ranks > 1 or trainer["GPU"]
             else "",
         ),

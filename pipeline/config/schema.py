@@ -114,6 +114,14 @@ class MegatronConfig:
 
 
 @dataclass
+class FSDPConfig:
+    fsdp_size: int = 1
+    """Data-parallel ranks of trainer.backend=torch (verl's key), each an FSDP2 shard of the model training its
+    token-balanced share of every mini-batch; 1 is one process without sharding. verl's default -1 ('every
+    trainer GPU') has no counterpart here: give the number."""
+
+
+@dataclass
 class ActorConfig(PolicySettings):
     """verl's `actor_rollout_ref.actor.*`: the objective's knobs (PolicySettings) plus the batch and parallelism."""
 
@@ -121,6 +129,8 @@ class ActorConfig(PolicySettings):
     """Prompts per mini-batch (each carries `rollout.n` trajectories)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallelism of trainer.backend=megatron (verl's `actor_rollout_ref.actor.megatron.*`)."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """Data parallelism of trainer.backend=torch (verl's `actor_rollout_ref.actor.fsdp_config.*`)."""
 
     def policy(self) -> PolicySettings:
         """The part both trainer backends take."""

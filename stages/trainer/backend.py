@@ -1,8 +1,9 @@
 """TrainerBackend: what the driver (pipeline/run.py, pipeline/sync.py, pipeline/checkpoint.py) calls on a trainer.
 
-TorchTrainer, MegatronTrainer and SimTrainer each run in one Ray actor and answer these calls; a backend that
-holds no weights (sim) has no `logprobs`, `save_checkpoint` or `set_weight` and is never asked for them (the
-config refuses checkpoints with it). tests/unit/test_trainer_backend.py checks every backend against this.
+TorchTrainer, FSDPTrainer (the torch backend at fsdp_size > 1), MegatronTrainer and SimTrainer each run in one Ray
+actor and answer these calls; a backend that holds no weights (sim) has no `logprobs`, `save_checkpoint` or
+`set_weight` and is never asked for them (the config refuses checkpoints with it).
+tests/unit/test_trainer_backend.py checks every backend against this.
 """
 
 from __future__ import annotations

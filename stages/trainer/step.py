@@ -260,6 +260,15 @@ class StepTotals:
         self.updates += 1
         self.shares["grad_norm"] += grad_norm
 
+    def add_rank(self, other: StepTotals) -> None:
+        """Another data-parallel rank's sums over its shares of the same mini-batches: its loss shares (each
+        already divided by the whole mini-batch's denominator) and token counts add up; the grad norm and the
+        update count are the whole model's, the same on every rank, so they are counted once."""
+        for key in ("pg", "entropy", "kl"):
+            self.shares[key] += other.shares[key]
+        for key, value in other.token_sums.items():
+            self.token_sums[key] += value
+
     def metrics(self) -> dict[str, float]:
         n, tokens = max(self.updates, 1), max(self.token_sums["tokens"], 1.0)
         out = {

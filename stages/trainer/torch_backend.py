@@ -13,6 +13,12 @@ The old logprobs of the PPO ratio are, as in verl:
 
 With `actor.router_replay.mode=R3` every forward pass of a step, the proximal one included (as verl's R3), replays
 the engine's MoE routes (stages/trainer/hf_router_replay.py).
+
+Built with a `DPRank` of size > 1 (`actor.fsdp_config.fsdp_size`), a TorchTrainer is one FSDP2 rank
+(stages/trainer/fsdp.py) driven by stages/trainer/fsdp_backend.py's FSDPTrainer: it trains its share of each
+mini-batch (`train_shares`), computes logprobs of its share (`share_logprobs`) and takes part in every gather of an
+export or checkpoint. Every pass over the model is a collective then, so each call runs the number of passes it is
+told, idle ones (a one-token forward, a zero loss) on a rank whose share is shorter.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 import math
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +36,9 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from stages.trainer import fsdp
 from stages.trainer.correction import correct_step
+from stages.trainer.fsdp import DPRank, Share
 from stages.trainer.hf_router_replay import HFRouterReplay
 from stages.trainer.loss import TokenForward, entropy_from_logits
 from stages.trainer.settings import CorrectionSettings, PolicySettings
@@ -49,20 +58,27 @@ class TorchTrainer:
         torch_threads: int = 1,
         optimizer_state: str | None = None,
         weight_sync_backend: str = "gloo",
+        data_parallel: DPRank | None = None,
     ) -> None:
-        """`optimizer_state`: a saved optimizer state (a checkpoint's optimizer.pt) to continue from."""
+        """`optimizer_state`: a saved optimizer state (a checkpoint's optimizer.pt) to continue from, as a
+        single-process trainer saves it (a sharded trainer saves it gathered, so either reads either's).
+        `data_parallel`: this process's FSDP rank (stages/trainer/fsdp_backend.py starts them); None: no group."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         torch.set_num_threads(torch_threads)
         self.policy = policy or PolicySettings()
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.dp = data_parallel or DPRank()
+        self.device = fsdp.join(self.dp)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
         self.model.train()
+        if self.dp.size > 1:
+            fsdp.shard_model(self.model, self.dp, self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.policy.lr, weight_decay=self.policy.weight_decay
         )
         if optimizer_state:
-            self.optimizer.load_state_dict(torch.load(optimizer_state, weights_only=True))
+            self.load_optimizer_state(torch.load(optimizer_state, weights_only=True))
         self.model_dir = Path(model_dir)
         self.correction = rollout_correction or CorrectionSettings()
         self.recompute = compute_prox_log_prob or not use_rollout_log_probs
@@ -82,18 +98,31 @@ class TorchTrainer:
         correction_metrics: dict[str, float] = {}
         if self.recompute:  # decoupled PPO: the ratio is against the proximal policy, IS against behaviour
             anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"], self._routes(mb)) for mb in minibatches]
-            corrections, correction_metrics = self._correct(minibatches, anchors)
+            corrections, correction_metrics = correct_minibatches(minibatches, anchors, self.correction)
         for rows, anchor, (masks, weights) in zip(minibatches, anchors, corrections, strict=True):
             self._update(Minibatch.of(rows, self.policy, anchor, masks, weights), totals)
         return correction_metrics | totals.metrics()
 
-    def _update(self, mb: Minibatch, totals: StepTotals) -> None:
+    def train_shares(self, shares: list[Share]) -> StepTotals:
+        """A data-parallel rank's part of a step: an update per mini-batch from its share of the rows; returns its
+        sums, which the caller adds up over the ranks (StepTotals.add_rank)."""
+        totals = StepTotals(self.policy)
+        for share in shares:
+            mb = Minibatch.of(share.rows, self.policy, share.anchor, share.masks, share.is_weights, share.counts)
+            self._update(mb, totals, share.micro_batches)
+        return totals
+
+    def _update(self, mb: Minibatch, totals: StepTotals, passes: int = 0) -> None:
+        """One optimizer update; `passes`: forward/backward passes to run in all, idle ones after the real ones."""
         self.optimizer.zero_grad(set_to_none=True)
-        for sl in mb.slices(self.policy.micro_batch_size):
-            res = mb.loss(self._token_logprobs, sl, self.policy)
+        slices = mb.slices(self.policy.micro_batch_size)
+        for sl in slices:
+            res = mb.loss(self._token_logprobs, sl, self.policy, self.device)
             res.total.backward()
             totals.add_micro(res)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.grad_clip))
+        for _ in range(passes - len(slices)):
+            (self._idle_logits().sum() * 0.0).backward()  # zero gradients, but FSDP's gathers and reductions run
+        grad_norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.grad_clip)))
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:  # as verl: an update whose gradient overflowed is skipped, not applied
@@ -107,23 +136,6 @@ class TorchTrainer:
         check_routes(rows)
         return rows[ROUTES_COLUMN]
 
-    def _correct(self, minibatches: list, anchors: list) -> tuple[list, dict[str, float]]:
-        """The whole step corrected at once, as verl corrects a training batch; then each mini-batch's share:
-        its rejection-masked token masks and (B, T) IS weights (None without `rollout_is`)."""
-        step = correct_step(
-            [row for anchor in anchors for row in anchor],
-            [row for mb in minibatches for row in mb["response_logprobs"]],
-            [row for mb in minibatches for row in mb["response_mask"]],
-            self.correction,
-        )
-        shares, start = [], 0
-        for mb in minibatches:
-            share = slice(start, start + len(mb["response_ids"]))
-            w = None if step.weights is None else step.weights[share]
-            shares.append((step.masks[share], None if w is None else pad_rows(w, max(map(len, w), default=0))))
-            start = share.stop
-        return shares, step.metrics
-
     def _token_logprobs(
         self, prompts: list, responses: list, entropy: bool = False, routes: torch.Tensor | None = None
     ) -> TokenForward:
@@ -131,22 +143,22 @@ class TorchTrainer:
         asked (from the same logits; with a graph only when entropy_coeff puts it in the loss). `routes`:
         (B, S, layers * k) MoE routes to replay (stages/trainer/step.py's pad_routes)."""
         seqs = [torch.tensor(np.concatenate([p, r]).astype(np.int64)) for p, r in zip(prompts, responses, strict=True)]
-        ids = pad_sequence(seqs, batch_first=True, padding_value=self.pad)  # (B, S)
-        attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
+        ids = pad_sequence(seqs, batch_first=True, padding_value=self.pad).to(self.device)  # (B, S)
+        attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True).to(self.device)
         if routes is not None and self.replay is None:
             raise ValueError("routes given to a trainer built without actor.router_replay")
         with self.replay.forcing(routes) if self.replay else contextlib.nullcontext():
             logits = self.model(input_ids=ids, attention_mask=attn).logits.float()  # (B, S, V)
         width = max((len(r) for r in responses), default=0)
-        logp = torch.zeros(len(seqs), width)
-        mask = torch.zeros(len(seqs), width)
-        ent = torch.zeros(len(seqs), width) if entropy else None
+        logp = torch.zeros(len(seqs), width, device=self.device)
+        mask = torch.zeros(len(seqs), width, device=self.device)
+        ent = torch.zeros(len(seqs), width, device=self.device) if entropy else None
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             if len(r) == 0:
                 continue
             start = len(p) - 1  # logits at position t predict token t + 1
             step_logits = logits[i, start : start + len(r)]  # (T_i, V)
-            target = torch.as_tensor(np.asarray(r, np.int64))
+            target = torch.as_tensor(np.asarray(r, np.int64), device=self.device)
             logp[i, : len(r)] = torch.log_softmax(step_logits, -1).gather(-1, target[:, None]).squeeze(-1)
             mask[i, : len(r)] = 1.0
             if ent is not None:
@@ -161,6 +173,24 @@ class TorchTrainer:
         `routes`: the rows' routed_experts to replay."""
         return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size, routes)
 
+    @torch.no_grad()
+    def share_logprobs(self, shares: list[tuple[dict[str, list], int]]) -> list[list[list[float]]]:
+        """A data-parallel rank's logprobs of its share of each batch: (rows with prompt_ids, response_ids and,
+        replaying routes, routed_experts; the forward passes every rank runs for it)."""
+        out = []
+        for rows, passes in shares:
+            routes = rows[ROUTES_COLUMN] if self.replay is not None else None
+            out.append(self.logprobs(rows["prompt_ids"], rows["response_ids"], routes))
+            for _ in range(passes - math.ceil(len(rows["response_ids"]) / self.policy.micro_batch_size)):
+                self._idle_logits()
+        return out
+
+    def _idle_logits(self) -> torch.Tensor:
+        """A one-token forward: a rank out of rows still joins a pass's parameter gathers (and, backpropagated,
+        its gradient reductions)."""
+        ids = torch.full((1, 1), self.pad, dtype=torch.long, device=self.device)
+        return self.model(input_ids=ids).logits
+
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, url: str) -> float:
         """Write `url`/model (an HF directory, tokenizer included) and `url`/optimizer.pt; returns seconds taken."""
@@ -168,23 +198,50 @@ class TorchTrainer:
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp)
             self.model.save_pretrained(local / "model")
-            for f in self.model_dir.iterdir():  # tokenizer and any other side files the engine needs
-                if f.is_file() and not (local / "model" / f.name).exists() and f.suffix not in (".safetensors", ".bin"):
-                    (local / "model" / f.name).write_bytes(f.read_bytes())
-            torch.save(self.optimizer.state_dict(), local / "optimizer.pt")
-            fs, root = fsspec.core.url_to_fs(url)
-            for f in sorted(p for p in local.rglob("*") if p.is_file()):
-                target = f"{root}/{f.relative_to(local).as_posix()}"
-                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-                fs.put_file(str(f), target)
+            copy_side_files(self.model_dir, local / "model")
+            torch.save(self.optimizer_state(), local / "optimizer.pt")
+            upload(local, url)
         return time.monotonic() - start
+
+    def optimizer_state(self, keep: bool = True) -> dict | None:
+        """The AdamW state_dict as one process holds it: gathered from every rank at DP > 1, where all must call
+        this; only those with `keep` get it (the others None)."""
+        if self.dp.size == 1:
+            return self.optimizer.state_dict()
+        return fsdp.gathered_optimizer_state(self.optimizer, keep)
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Continue from a single-process AdamW state_dict (each rank takes its shards of it)."""
+        if self.dp.size > 1:
+            state = fsdp.sharded_optimizer_state(state, list(self.model.parameters()))
+        self.optimizer.load_state_dict(state)
 
     # --- weight sync -------------------------------------------------------------------------------------------
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """HF names and parameters in the order they are sent; a tied head right after the embedding it shares."""
         weights = list(self.model.named_parameters())
         if self.model.config.tie_word_embeddings:  # vLLM keeps its own head: send it, or it stays stale
-            weights.append(("lm_head.weight", self.model.get_output_embeddings().weight))
+            head = self.model.get_output_embeddings().weight
+            at = next(i for i, (_, t) in enumerate(weights) if t is head)
+            weights.insert(at + 1, ("lm_head.weight", head))
         return weights
+
+    @torch.no_grad()
+    def export(self, tied_head: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, each parameter gathered once (the tied head reuses the embedding's gather). At
+        DP > 1 every rank must drain this (the gathers are collectives), one parameter at a time; rank 0 sends.
+        `tied_head=False`: the parameters alone, as an HF checkpoint stores a tied model."""
+        weights = self._named_weights() if tied_head else list(self.model.named_parameters())
+        last_param, last = None, None
+        for name, param in weights:
+            if param is not last_param:
+                last_param, last = param, None  # let go of the previous gather before the next
+                last = fsdp.full(param.detach())
+            yield name, last
+
+    def drain_export(self, tied_head: bool = True) -> int:
+        """A non-zero rank's part of an export: take part in every gather, keep nothing."""
+        return sum(1 for _ in self.export(tied_head))
 
     def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
         return self.sync.open(world_size, connect_timeout_s)
@@ -203,23 +260,74 @@ class TorchTrainer:
     @torch.no_grad()
     def push_weights(self) -> dict[str, float]:
         start = time.monotonic()
-        sent = self.sync.push(t for _, t in self._named_weights())
+        sent = self.sync.push(t for _, t in self.export())
         return {"sync/bytes": float(sent), "sync/broadcast_s": time.monotonic() - start}
 
     @torch.no_grad()
     def publish_weights(self, url: str) -> dict[str, float]:
         """Pull mode: write the weights as one safetensors file at `url` (any fsspec URL) for the engines to load."""
-        from safetensors.torch import save
-
-        start = time.monotonic()
-        blob = save({name: t.detach().contiguous() for name, t in self._named_weights()})
-        fs, path = fsspec.core.url_to_fs(url)
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(path, "wb") as f:
-            f.write(blob)
-        return {"sync/bytes": float(len(blob)), "sync/publish_s": time.monotonic() - start}
+        return publish(self.export(), url)
 
     @torch.no_grad()
     def set_weight(self, name: str, value: float) -> None:
-        """Fill one parameter with a constant (tests use it to prove a push changes the engine)."""
-        dict(self._named_weights())[name].fill_(value)
+        """Fill one parameter with a constant (tests use it to prove a push changes the engine); at DP > 1 every
+        rank fills its shard."""
+        fsdp.local(dict(self._named_weights())[name]).fill_(value)
+
+
+def correct_minibatches(
+    minibatches: list, anchors: list, settings: CorrectionSettings
+) -> tuple[list, dict[str, float]]:
+    """The whole step corrected at once, as verl corrects a training batch; then each mini-batch's share:
+    its rejection-masked token masks and (B, T) IS weights (None without `rollout_is`)."""
+    step = correct_step(
+        [row for anchor in anchors for row in anchor],
+        [row for mb in minibatches for row in mb["response_logprobs"]],
+        [row for mb in minibatches for row in mb["response_mask"]],
+        settings,
+    )
+    shares, start = [], 0
+    for mb in minibatches:
+        share = slice(start, start + len(mb["response_ids"]))
+        w = None if step.weights is None else step.weights[share]
+        shares.append((step.masks[share], None if w is None else pad_rows(w, max(map(len, w), default=0))))
+        start = share.stop
+    return shares, step.metrics
+
+
+def publish(tensors: Iterable[tuple[str, torch.Tensor]], url: str) -> dict[str, float]:
+    """HF-named tensors as one safetensors file at `url` (any fsspec URL); returns sync/* metrics."""
+    from safetensors.torch import save
+
+    start = time.monotonic()
+    # safetensors writes one header for all tensors, so the file needs them all at once, on CPU; it refuses two
+    # names on one storage, so a tied head is written as a copy of the embedding.
+    named, storages = {}, set()
+    for name, t in tensors:
+        t = t.detach().cpu().contiguous()
+        storage = t.untyped_storage().data_ptr()
+        named[name] = t.clone() if storage in storages else t
+        storages.add(storage)
+    blob = save(named)
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "wb") as f:
+        f.write(blob)
+    return {"sync/bytes": float(len(blob)), "sync/publish_s": time.monotonic() - start}
+
+
+def copy_side_files(model_dir: Path, out: Path) -> None:
+    """The tokenizer, config and any other non-weight files the engine needs, where `out` lacks them."""
+    for f in model_dir.iterdir():
+        if f.is_file() and not (out / f.name).exists() and f.suffix not in (".safetensors", ".bin"):
+            if not f.name.endswith(".index.json"):  # a sharded model's weight index names files not written here
+                (out / f.name).write_bytes(f.read_bytes())
+
+
+def upload(local: Path, url: str) -> None:
+    """Every file under `local` to the same relative path under `url` (any fsspec URL)."""
+    fs, root = fsspec.core.url_to_fs(url)
+    for f in sorted(p for p in local.rglob("*") if p.is_file()):
+        target = f"{root}/{f.relative_to(local).as_posix()}"
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.put_file(str(f), target)

@@ -6,6 +6,7 @@ import pytest
 
 from stages.sim.trainer import SimTrainer
 from stages.trainer.backend import TrainerBackend, WeightedBackend
+from stages.trainer.fsdp_backend import FSDPTrainer
 from stages.trainer.megatron_backend import MegatronTrainer
 from stages.trainer.torch_backend import TorchTrainer
 
@@ -25,7 +26,12 @@ def _compatible(impl: inspect.Signature, spec: inspect.Signature) -> bool:
 
 @pytest.mark.parametrize(
     ("backend", "protocol"),
-    [(TorchTrainer, WeightedBackend), (MegatronTrainer, WeightedBackend), (SimTrainer, TrainerBackend)],
+    [
+        (TorchTrainer, WeightedBackend),
+        (FSDPTrainer, WeightedBackend),
+        (MegatronTrainer, WeightedBackend),
+        (SimTrainer, TrainerBackend),
+    ],
 )
 def test_backend_has_every_method_of_its_protocol(backend, protocol):
     methods = _methods(protocol)

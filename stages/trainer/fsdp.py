@@ -1,0 +1,126 @@
+"""One data-parallel rank of the torch trainer: its process group, its FSDP2-sharded model, and its parameters and
+optimizer state moved between the sharded and the full (HF, single-process) form.
+
+A TorchTrainer built with a `DPRank` of size > 1 joins a torch.distributed world on 127.0.0.1 (gloo on CPU, NCCL
+on GPU), shards its HF model with `torch.distributed.fsdp.fully_shard` (FSDP2: every decoder layer one unit, the
+root the embeddings, final norm and head), and trains its share of each mini-batch (stages/trainer/fsdp_backend.py
+splits them). FSDP's gradient reduction is a plain sum (divide factor 1): each rank's loss is already divided by the
+WHOLE mini-batch's denominators, so the ranks' gradients add up to the single-process gradient in every
+loss_agg_mode, the seq-mean-token-sum-norm included (verl scales that one by the DP size instead).
+
+FSDP2 runs on CPU over gloo in torch 2.13 (its all-gather and reduce-scatter have gloo kernels); tests/distributed
+runs it there. The NCCL/CUDA path is the same code on `cuda` devices and is unverified here (no GPU).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from stages.trainer.loss import AggCounts
+
+
+@dataclass(frozen=True)
+class DPRank:
+    """This process's place among the trainer's data-parallel ranks; size 1 is one process with no group."""
+
+    rank: int = 0
+    size: int = 1
+    port: int = 0  # the rendezvous of rank 0 on 127.0.0.1
+
+
+@dataclass
+class Share:
+    """One rank's rows of one mini-batch, with what it needs to compute its part of the whole mini-batch's loss."""
+
+    rows: dict[str, list]  # column -> this rank's rows, in the mini-batch's order
+    anchor: list | None  # their proximal logprobs (None: the behaviour ones)
+    masks: list | None  # their rejection-masked token masks (None: response_mask)
+    is_weights: torch.Tensor | None  # (b, T) their rollout-correction weights
+    counts: AggCounts  # the WHOLE mini-batch's: every rank divides by them
+    micro_batches: int  # passes every rank runs for it (the same on all: each is a collective)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(dp: DPRank) -> torch.device:
+    """Join the data-parallel world (nothing to join at size 1); returns the device this rank computes on."""
+    cuda = dp.size > 1 and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if dp.size > 1:
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://127.0.0.1:{dp.port}",
+            rank=dp.rank,
+            world_size=dp.size,
+            timeout=timedelta(seconds=600),
+        )
+    return device
+
+
+def shard_model(model: torch.nn.Module, dp: DPRank, device: torch.device) -> None:
+    """FSDP2 over the data-parallel world: each decoder layer a unit, the root the rest; gradients summed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(device.type, (dp.size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # embeddings, final norm and the head (tied or not) share the root's unit
+    for module in model.modules():  # set per unit: the calls do not recurse
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # else a PREMUL_SUM op, which gloo lacks
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a sharded one gathered from every rank (a collective), a plain one as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (its storage: writes reach the parameter), a plain one as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shard_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A full tensor of `param`'s shape laid out as `param` is (this rank's chunk, no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor) or value.shape != param.shape:
+        return value
+    return distribute_tensor(value.detach().to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+def gathered_optimizer_state(optimizer: torch.optim.Optimizer, keep: bool) -> dict | None:
+    """The optimizer's state_dict with every sharded tensor gathered, on CPU: the layout a single-process trainer
+    saves, so a checkpoint resumes at any number of ranks. Every rank must call it (the gathers are collectives);
+    only a rank with `keep` holds the result, one tensor at a time on the others."""
+    state = optimizer.state_dict()
+    out: dict[int, dict] = {}
+    for index, entry in state["state"].items():  # the same order on every rank: the parameters'
+        gathered = {key: full(value).cpu() if torch.is_tensor(value) else value for key, value in entry.items()}
+        if keep:
+            out[index] = gathered
+    return {"state": out, "param_groups": state["param_groups"]} if keep else None
+
+
+def sharded_optimizer_state(state: dict, params: list[torch.Tensor]) -> dict:
+    """A gathered (single-process) optimizer state_dict laid out as these sharded parameters are."""
+    entries = {
+        index: {key: shard_like(value, params[index]) if torch.is_tensor(value) else value for key, value in s.items()}
+        for index, s in state["state"].items()
+    }
+    return {"state": entries, "param_groups": state["param_groups"]}
