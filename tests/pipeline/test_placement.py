@@ -1,10 +1,11 @@
 """A multi-node Ray cluster on this machine, and a run placed on it by ray.placement.
 
 A head and two worker nodes, each a raylet of its own joined to the head (infra/local_cluster.py: join), one marked
-`trainer: 1`, one `rollout: 1`. The embedded job joins the cluster (`ray.address`) with two engine replicas and
-`ray.placement=required`. Ray's own record of the run's actors (the state API on the head's dashboard, which reads
-the GCS and keeps ended actors) says which node ran each: every trainer rank on the trainer node, both Generate
-replicas on the rollout node, the version clock and the staleness gate on the head. The run passes its audit.
+`trainer: 1`, one `rollout: 1`. The embedded job joins the cluster (`ray.address`) with a data-parallel trainer of
+two ranks (FSDP2), two engine replicas and `ray.placement=required`. Ray's own record of the run's actors (the state
+API on the head's dashboard, which reads the GCS and keeps ended actors) says which node ran each: both trainer
+ranks on the trainer node, both Generate replicas on the rollout node, the version clock and the staleness gate on
+the head. The run passes its audit.
 
 The job runs in a process of its own: this pytest process may hold the local Ray of the other pipeline tests, and a
 process joins one cluster. The cluster is stopped by its nodes' PIDs (local_cluster.down), never by `ray stop`.
@@ -26,7 +27,10 @@ from infra import local_cluster as lc
 from tests.pipeline.test_modes import SMALL
 
 HEAD_CPUS = 2  # the gate, the stream's tasks (reward, advantage, sample log), the prompt reader
-WORKERS = [({"trainer": 1}, 1), ({"rollout": 1}, 2)]  # (marker, CPUs): one trainer rank, two engines
+WORKERS = [
+    ({"trainer": 1}, 1),
+    ({"rollout": 1}, 2),
+]  # (marker, CPUs): the trainer (its second rank asks none), 2 engines
 SHORT = [*SMALL, "rollout.total_rollout_steps=16"]  # 4 steps of 4 prompts
 
 
@@ -65,6 +69,7 @@ def run_job(cluster: lc.Cluster, output_dir: Path) -> subprocess.CompletedProces
     overrides = [
         *SHORT,
         "rollout.num_replicas=2",
+        "actor.fsdp_config.fsdp_size=2",
         "ray.placement=required",
         f"ray.address={cluster.gcs_address}",
         "ray.no_progress_timeout_s=600",
@@ -107,12 +112,12 @@ def test_trainer_engines_and_control_actors_run_on_their_nodes(tmp_path):
     # MapWorker(MapBatches(StalenessGate)).
     where = [(a.get("repr_name") or a["class_name"], kinds.get(a["node_id"], "?")) for a in actors]
     print("placement test: actors and their nodes:", where)
-    # Every trainer rank: today one TorchTrainer; data-parallel and Megatron ranks end in Trainer or Rank too.
+    # Every trainer rank: rank 0 (FSDPTrainer) and its peer (TorchTrainer); Megatron's end in Trainer or Rank too.
     trainer = [node for name, node in where if name.endswith(("Trainer", "Rank"))]
     generate = [node for name, node in where if "(VLLMGenerate)" in name]
     gate = [node for name, node in where if "(StalenessGate)" in name]
     clock = [node for name, node in where if name == "VersionClock"]
-    assert trainer and set(trainer) == {"trainer"}, where
+    assert trainer == ["trainer", "trainer"], where
     assert generate == ["rollout", "rollout"], where
     assert gate == clock == ["head"], where
 
