@@ -5,7 +5,8 @@ its correction: partial rollout (responses interrupted at every sync and resumed
 decoupled PPO (proximal logprobs recomputed each step, token-level truncated importance weights proximal /
 behaviour); on top, verl's GRPO example objective: a low_var_kl loss against the frozen starting policy (the
 RefLogprob stage) at coefficient 0.001, and the rewards come from a user's reward file
-(`custom_reward_function.path`) that returns a dict. The mean reward of the last 10% of steps must clearly exceed
+(`custom_reward_function.path`) that returns a dict. The trainer is data parallel: two FSDP2 ranks
+(`actor.fsdp_config.fsdp_size=2`), each step's mini-batch split between them by token count. The mean reward of the last 10% of steps must clearly exceed
 the first 10%. The embedded warm start leaves sampled answers noisy (reward ~0.2), so the gain comes from RL; a sign
 error in the loss makes the reward fall, a loss that ignores the advantage leaves it flat, and either fails this
 test. One run, checked many ways: the pipeline suite's time goes to runs, not to assertions.
@@ -59,6 +60,7 @@ def test_reward_rises_with_partial_rollout_decoupled_ppo_and_a_kl_loss(run_job, 
         *PARTIAL_DECOUPLED,
         *VERL_GRPO_OBJECTIVE,
         f"custom_reward_function.path={reward_file}",
+        "actor.fsdp_config.fsdp_size=2",
         name="learn-partial",
     )
     assert summary["steps"] == 100
