@@ -39,6 +39,8 @@ bench: install
 	$(PY) -m bench.pull
 	$(PY) -m bench.validation
 	$(PY) -m bench.prompts_1m
+	$(PY) -m bench.routes
+	$(PY) -m bench.data_parallel
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
