@@ -8,7 +8,7 @@ spread too.
 The default preset is calibrated to verl's published 128-GPU 7B table (bench/calibrate.py).
 
     python -m bench.modes                 # about 4 minutes on 2 cores
-    python -m bench.modes --syncs 2       # quicker, noisier
+    python -m bench.modes --time-scale 0.2  # wall seconds per simulated second (the preset's: 0.05); 4x longer
 """
 
 from __future__ import annotations
@@ -97,15 +97,17 @@ def main() -> None:
         default=4,
         help="sync windows per pipeline run, 3 or more (the first and last not measured)",
     )
+    parser.add_argument("--time-scale", type=float, default=None, help="sim.time_scale (default: the preset's)")
     args = parser.parse_args()
     from pipeline.prepare import start_ray
 
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-modes-"))
-    base = load_config(args.preset, [])
+    scale = [] if args.time_scale is None else [f"sim.time_scale={args.time_scale}"]
+    base = load_config(args.preset, scale)
     start_ray(base, out)
     rows, started = {}, time.monotonic()
     for name, overrides in MODES.items():
-        overrides = colocated_overrides(base) if overrides is None else overrides
+        overrides = [*scale, *(colocated_overrides(base) if overrides is None else overrides)]
         probe = load_config(args.preset, overrides)
         prompts = (
             args.syncs
