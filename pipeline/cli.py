@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 USAGE = """asyncrl run [CONFIG] [key=value ...]   run a job (default: conf/default.yaml, the embedded CPU task)
@@ -51,6 +52,9 @@ def _run(items: list[str]) -> int:
     from pipeline.finish import RunFailed, RunInterrupted
     from pipeline.run import run
 
+    # Ctrl-C must reach the run even when this process was started with SIGINT ignored (a child inherits an ignored
+    # signal, and Python then installs no handler of its own): the run turns it into a clean stop.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         summary = run(cfg)
     except RunInterrupted as err:

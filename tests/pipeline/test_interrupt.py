@@ -1,6 +1,7 @@
 """Ctrl-C (SIGINT to the `asyncrl` command) in the middle of a run: it stops within seconds with one line that
 says where it stopped and how to go on, ends the MLflow run as KILLED, writes what was done to summary.json, and
-leaves no process behind. A simulated run (conf/sim/toy.yaml): the real stream, Ray included, without a model."""
+leaves no process behind, even when the command was started with SIGINT ignored. A simulated run
+(conf/sim/toy.yaml): the real stream, Ray included, without a model."""
 
 import json
 import os
@@ -41,7 +42,10 @@ def test_ctrl_c_stops_with_one_line_marks_the_run_killed_and_leaves_nothing(tmp_
     cmd = [sys.executable, "-m", "pipeline.cli", "run", *args, "rollout.total_rollout_steps=1024"]  # 128 steps
     err_log = tmp_path / "stderr.txt"
     with open(err_log, "w") as err, open(tmp_path / "stdout.txt", "w") as out:  # files: a full pipe would block it
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        # Started with SIGINT ignored, as a shell without job control starts a background job (and as a child of
+        # a process that ignores it inherits): the run must still stop on it.
+        ignore = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, preexec_fn=ignore)
         try:
             _wait_for_steps(run_dir / "metrics.jsonl", proc, err_log, steps=3, timeout_s=240)
             started = psutil.Process(proc.pid).children(recursive=True)  # Ray's processes and its workers
