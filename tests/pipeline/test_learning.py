@@ -6,10 +6,11 @@ decoupled PPO (proximal logprobs recomputed each step, token-level truncated imp
 behaviour); on top, verl's GRPO example objective: a low_var_kl loss against the frozen starting policy (the
 RefLogprob stage) at coefficient 0.001, and the rewards come from a user's reward file
 (`custom_reward_function.path`) that returns a dict. The trainer is data parallel: two FSDP2 ranks
-(`actor.fsdp_config.fsdp_size=2`), each step's mini-batch split between them by token count. The mean reward of the last 10% of steps must clearly exceed
-the first 10%. The embedded warm start leaves sampled answers noisy (reward ~0.2), so the gain comes from RL; a sign
-error in the loss makes the reward fall, a loss that ignores the advantage leaves it flat, and either fails this
-test. One run, checked many ways: the pipeline suite's time goes to runs, not to assertions.
+(`actor.fsdp_config.fsdp_size=2`), each step's mini-batch split between them by token count. The mean reward of
+the last 10% of steps must clearly exceed the first 10%. The embedded warm start leaves sampled answers noisy
+(reward ~0.2), so the gain comes from RL; a sign error in the loss makes the reward fall, a loss that ignores the
+advantage leaves it flat, and either fails this test. One run, checked many ways: the pipeline suite's time goes to
+runs, not to assertions.
 
 The default job without partial rollout learns in the held-out curve of test_validation.py and in `make run`; the
 other trainer backends and the multi-turn task have learning tests of their own.
