@@ -50,7 +50,6 @@ class HFRouterReplay:
         self.top_k = self.routers[0].top_k
         self.num_experts = self.routers[0].num_experts
         self._routes: torch.Tensor | None = None  # (B * S, layers, k), NO_ROUTE where the router picks
-        self.replayed = self.changed = 0.0
         self._maps: tuple[torch.Tensor, torch.Tensor] | None = None  # replayed, changed layers per token (B * S,)
         self._shape = (0, 0)
         for layer, router in enumerate(self.routers):
@@ -60,7 +59,6 @@ class HFRouterReplay:
     def forcing(self, routes: torch.Tensor | None) -> Iterator[None]:
         """Within the block, forward passes replay `routes` (B, S, layers * k) and count into replayed/changed and
         `maps()` (reset here); None leaves the routers alone."""
-        self.replayed = self.changed = 0.0
         self._maps = None
         if routes is None:
             yield
@@ -106,11 +104,19 @@ class HFRouterReplay:
         given = forced[:, 0] != NO_ROUTE
         ids = torch.where(given[:, None], forced, own)
         differs = (ids.sort(-1).values != own.sort(-1).values).any(-1) & given
-        self.replayed += float(given.sum())
-        self.changed += float(differs.sum())
         self._maps[0].add_(given.float().cpu())
         self._maps[1].add_(differs.float().cpu())
         return ids
+
+    @property
+    def replayed(self) -> float:
+        """(token, MoE layer) pairs replayed in the last `forcing` block."""
+        return 0.0 if self._maps is None else float(self._maps[0].sum())
+
+    @property
+    def changed(self) -> float:
+        """Of them, those whose experts differ from the router's own top-k."""
+        return 0.0 if self._maps is None else float(self._maps[1].sum())
 
     def maps(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(B, S) MoE layers replayed and changed per token in the last `forcing` block (None without routes)."""

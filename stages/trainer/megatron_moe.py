@@ -81,7 +81,6 @@ class MegatronRouteReplay:
         if [r.router_replay for r in self.routers] != RouterReplay.global_router_replay_instances:
             raise RuntimeError("RouterReplay's instances are not this model's routers: build one MoE model at a time")
         self.shape = shape
-        self.replayed = self.changed = 0.0
         self._maps: tuple[torch.Tensor, torch.Tensor] | None = None  # replayed, changed layers per token (S * B,)
         self._shape = (0, 0)
         self._active = False
@@ -94,7 +93,6 @@ class MegatronRouteReplay:
         and count into replayed/changed (reset here); None routes as the model does."""
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-        self.replayed = self.changed = 0.0
         self._maps = None
         if routes is None:
             yield
@@ -139,10 +137,18 @@ class MegatronRouteReplay:
         replay.target_topk_idx = ids
         replay.replay_backward_list[-1] = ids  # what a recomputed forward would replay: the same routes
         differs = (ids.sort(-1).values != own.sort(-1).values).any(-1) & given
-        self.replayed += float(given.sum())
-        self.changed += float(differs.sum())
         self._maps[0].add_(given.float().cpu())
         self._maps[1].add_(differs.float().cpu())
+
+    @property
+    def replayed(self) -> float:
+        """(token, MoE layer) pairs replayed in the last `forcing` block."""
+        return 0.0 if self._maps is None else float(self._maps[0].sum())
+
+    @property
+    def changed(self) -> float:
+        """Of them, those whose experts differ from the router's own top-k."""
+        return 0.0 if self._maps is None else float(self._maps[1].sum())
 
     def maps(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(B, S) MoE layers replayed and changed per token in the last `forcing` block (None without routes)."""

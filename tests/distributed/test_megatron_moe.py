@@ -49,7 +49,9 @@ def _rank(model_dir: str, port: int, queue) -> None:
     def forward(routes):
         fwd = rank._token_logprobs(prompts, responses, routes=pad_routes(prompts, responses, routes))
         replayed, changed = fwd.route_maps  # (B, S) per token: they add up to the counts, in batch-major order
-        assert float(replayed.sum()) == fwd.routes_replayed and float(changed.sum()) == fwd.routes_changed
+        context = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True))
+        assert int((replayed == 2).sum()) == context and int((replayed == 0).sum()) == replayed.numel() - context
+        assert bool((changed <= replayed).all())  # 2 MoE layers on every context token but the last, none elsewhere
         assert replayed.shape == (len(prompts), max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)))
         assert float(replayed[0, len(prompts[0]) + len(responses[0]) - 1 :].sum()) == 0  # its last token, padding
         return fwd.logp.detach().numpy(), fwd.routes_replayed, fwd.routes_changed
