@@ -45,6 +45,11 @@ def _entry(parts: list[tuple[int, list[int]]], tie: itertools.count) -> tuple[in
     return (-(parts[0][0] - parts[-1][0]), next(tie), parts)
 
 
+def row_tokens(rows: dict[str, list]) -> list[int]:
+    """Each row's context length, prompt and response: what its forward and backward cost."""
+    return [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"], strict=True)]
+
+
 def take_rows(rows: dict[str, list], index: list[int]) -> dict[str, list]:
     """These rows of every column, in this order."""
     return {column: [values[i] for i in index] for column, values in rows.items()}

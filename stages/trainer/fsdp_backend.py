@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from stages.trainer.balance import balanced_partitions, take_rows
+from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
 from stages.trainer.fsdp import DPRank, Share, free_port
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
@@ -100,7 +100,7 @@ class FSDPTrainer:
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
         start = time.monotonic()
-        parts = [balanced_partitions(_tokens(mb), self.size) for mb in minibatches]
+        parts = [balanced_partitions(row_tokens(mb), self.size) for mb in minibatches]
         n = len(minibatches)
         anchors: list = [None] * n
         corrections: list[tuple[list | None, torch.Tensor | None]] = [(None, None)] * n
@@ -154,7 +154,7 @@ class FSDPTrainer:
         rows = {"prompt_ids": prompts, "response_ids": responses}
         if routes is not None:
             rows[ROUTES_COLUMN] = routes
-        return self._logprobs([rows], [balanced_partitions(_tokens(rows), self.size)])[0]
+        return self._logprobs([rows], [balanced_partitions(row_tokens(rows), self.size)])[0]
 
     # --- weights out -------------------------------------------------------------------------------------------
     def _stream(self, tied_head: bool = True):
@@ -208,11 +208,6 @@ class FSDPTrainer:
             torch.save(state, local / "optimizer.pt")
             upload(local, url)
         return time.monotonic() - start
-
-
-def _tokens(rows: dict[str, list]) -> list[int]:
-    """Each row's context length, prompt and response: what its forward and backward cost."""
-    return [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"], strict=True)]
 
 
 def _routed(rows: dict[str, list], policy: PolicySettings) -> dict[str, list]:

@@ -1,15 +1,20 @@
 """MegatronTrainer: the megatron-core trainer backend (`trainer.backend: megatron`).
 
-The driver talks to this one object (a Ray actor, like TorchTrainer) through the TrainerBackend calls. It is
-tensor-parallel rank 0 itself; with `tensor_model_parallel_size > 1` it starts the other ranks as Ray actors
-(`num_cpus=0`: two actors holding a CPU each deadlock a 2-core box, DESIGN.md §6) and makes every rank run each
-call in the same order, since the ranks' forward, backward and weight gathers are collectives. The ranks form
-their own torch.distributed world on 127.0.0.1 (gloo on CPU, NCCL on GPU), and the weight sync to the engines
-uses a second, private group (stages/trainer/weight_sync.py), so the two never collide.
+The driver talks to this one object (a Ray actor, like TorchTrainer) through the TrainerBackend calls. It is rank 0
+itself and starts the other `tensor_model_parallel_size x data_parallel_size - 1` ranks as Ray actors (`num_cpus=0`:
+two actors holding a CPU each deadlock a 2-core box, DESIGN.md §6), and makes every rank run each call in the same
+order, since the ranks' forward, backward, gradient reductions and weight gathers are collectives. The ranks form
+their own torch.distributed world on 127.0.0.1 (gloo on CPU, NCCL on GPU), and the weight sync to the engines uses a
+second, private group (stages/trainer/weight_sync.py), so the two never collide.
 
-Data parallelism is not used (one replica of the model, split by TP); pipeline parallelism is refused by the
-config check. Weights leave as HF names and layout (stages/trainer/megatron_convert.py), gathered across TP ranks
-in buckets and streamed into the weight sync or the pull-mode safetensors file.
+Data parallelism (DP = trainer ranks / TP): each mini-batch's rows are split across the model replicas balanced by
+token count (stages/trainer/balance.py, as the FSDP backend and verl do); every replica divides its loss by the
+whole mini-batch's counts and megatron's DDP sums the gradients, so DP = 2 trains what DP = 1 trains. The replicas'
+loss shares and token counts add up to the step's metrics. Pipeline parallelism is refused by the config check.
+Weights leave as HF names and layout (stages/trainer/megatron_convert.py), gathered across the first replica's TP
+ranks in buckets and streamed into the weight sync or the pull-mode safetensors file; the other replicas hold the
+same weights and skip it. A checkpoint holds the first replica's TP optimizer states (every replica's are the same
+on CPU), so it resumes at any DP size with the same TP.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from typing import Any
 import fsspec
 import torch
 
+from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
 from stages.trainer.megatron_rank import MegatronRank
 from stages.trainer.settings import PolicySettings
+from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals
 from stages.trainer.weight_sync import make_weight_sync
 
 
@@ -56,28 +63,33 @@ class MegatronTrainer:
         optimizer_state: str | None = None,
         tensor_model_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         weight_sync_backend: str = "gloo",
         export_bucket_mb: int = 64,
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
     ) -> None:
-        """`gpus_per_rank`, `rank_resources`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a GPU
-        cluster; a share of the trainer nodes' custom resource, pipeline/config/placement.py)."""
+        """`data_parallel_size`: model replicas, each of `tensor_model_parallel_size` ranks. `gpus_per_rank`,
+        `rank_resources`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a GPU cluster; a share of
+        the trainer nodes' custom resource, pipeline/config/placement.py)."""
         if pipeline_model_parallel_size != 1:
             raise ValueError("megatron.pipeline_model_parallel_size > 1 is not supported yet: use tensor parallelism")
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, not {data_parallel_size}")
         kwargs = dict(
             tensor_model_parallel_size=tensor_model_parallel_size,
             policy=policy or PolicySettings(),
             seed=seed,
             torch_threads=torch_threads,
         )
-        world, port = tensor_model_parallel_size, _free_port()
+        self.tp, self.dp = tensor_model_parallel_size, data_parallel_size
+        world, port = self.tp * self.dp, _free_port()
         self.peers = []
         if world > 1:
             import ray
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            # On this node: the ranks meet on 127.0.0.1, and a TP group's collectives want one node's links.
+            # On this node: the ranks meet on 127.0.0.1 (a TP group's collectives want one node's links anyway).
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             remote_rank = ray.remote(MegatronRank).options(
                 num_cpus=0, num_gpus=gpus_per_rank, resources=rank_resources or {}, scheduling_strategy=here
@@ -92,19 +104,44 @@ class MegatronTrainer:
             self._load_optimizer(optimizer_state)
 
     def _all(self, method: str, *args) -> Any:
-        """Run `method` on every rank (peers first: they block in the first collective until rank 0 arrives)."""
-        pending = [getattr(p, method).remote(*args) for p in self.peers]
+        """Run `method` on every rank with the same arguments; rank 0's result."""
+        return self._each(method, lambda replica: args)[0]
+
+    def _each(self, method: str, args_of) -> list:
+        """Run `method` on every rank with its replica's arguments, `args_of(dp_rank)`; every replica's result from
+        its first TP rank, in replica order. Peers first: they block in the first collective until rank 0 arrives."""
+        pending = [getattr(p, method).remote(*args_of((r + 1) // self.tp)) for r, p in enumerate(self.peers)]
         # An error on rank 0 propagates at once: waiting for peers stuck in a collective would turn it into a hang.
-        result = getattr(self.rank, method)(*args)
-        _wait(pending)
-        return result
+        mine = getattr(self.rank, method)(*args_of(0))
+        results = [mine, *_wait(pending)]
+        return results[:: self.tp]
 
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
-        return self._all("train_step", minibatches, self.recompute)
+        start = time.monotonic()
+        parts = [balanced_partitions(row_tokens(mb), self.dp) for mb in minibatches]
+        # Counted (and checked) over each whole mini-batch here, before any rank starts a collective.
+        counts = [Minibatch.of(mb, self.rank.policy).counts for mb in minibatches]
+        shares = [[take_rows(mb, part[d]) for mb, part in zip(minibatches, parts, strict=True)] for d in range(self.dp)]
+        totals: list[StepTotals] = self._each("train_shares", lambda d: (shares[d], self.recompute, counts))
+        for other in totals[1:]:
+            totals[0].add_rank(other)
+        totals[0].started = start
+        return totals[0].metrics()
 
     def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:
-        return self._all("logprobs", prompts, responses, routes)
+        """Each replica computes its share of the rows; they come back in the rows' order."""
+        rows = {"prompt_ids": prompts, "response_ids": responses} | ({ROUTES_COLUMN: routes} if routes else {})
+        part = balanced_partitions(row_tokens(rows), self.dp)
+        shares = [take_rows(rows, index) for index in part]
+        results = self._each(
+            "logprobs", lambda d: (shares[d]["prompt_ids"], shares[d]["response_ids"], shares[d].get(ROUTES_COLUMN))
+        )
+        merged: list = [None] * len(prompts)
+        for index, result in zip(part, results, strict=True):
+            for i, row in zip(index, result, strict=True):
+                merged[i] = row
+        return merged
 
     # --- weights out -------------------------------------------------------------------------------------------
     def _stream(self):
@@ -162,7 +199,11 @@ class MegatronTrainer:
             for f in self.model_dir.iterdir():  # config.json, tokenizer and any other side files
                 if f.is_file() and f.suffix not in (".safetensors", ".bin") and not f.name.endswith(".index.json"):
                     (local / "model" / f.name).write_bytes(f.read_bytes())
-            states = [self.rank.optimizer_state(), *_wait([p.optimizer_state.remote() for p in self.peers])]
+            # The first replica's TP ranks: every replica holds the same state.
+            states = [
+                self.rank.optimizer_state(),
+                *_wait([p.optimizer_state.remote() for p in self.peers[: self.tp - 1]]),
+            ]
             buf = io.BytesIO()
             torch.save({"megatron_tp_states": states}, buf)
             (local / "optimizer.pt").write_bytes(buf.getvalue())
@@ -176,10 +217,11 @@ class MegatronTrainer:
     def _load_optimizer(self, path: str) -> None:
         saved = torch.load(path, weights_only=True)
         states = saved.get("megatron_tp_states") if isinstance(saved, dict) else None
-        if states is None or len(states) != 1 + len(self.peers):
+        if states is None or len(states) != self.tp:
             raise ValueError(
-                f"{path} is not an optimizer state of a Megatron trainer with tensor_model_parallel_size="
-                f"{1 + len(self.peers)}: resume with the backend and TP size the checkpoint was taken with"
+                f"{path} is not an optimizer state of a Megatron trainer with tensor_model_parallel_size={self.tp}: "
+                "resume with the backend and TP size the checkpoint was taken with (any data-parallel size)"
             )
         self.rank.load_optimizer_state(states[0])
-        _wait([p.load_optimizer_state.remote(s) for p, s in zip(self.peers, states[1:], strict=True)])
+        # Global rank r is TP rank r % tp of its replica.
+        _wait([p.load_optimizer_state.remote(states[(r + 1) % self.tp]) for r, p in enumerate(self.peers)])

@@ -1,10 +1,14 @@
-"""One tensor-parallel rank of the Megatron trainer: a megatron-core GPTModel, its PPO step, its weight export.
+"""One rank of the Megatron trainer: a megatron-core GPTModel, its PPO step, its weight export.
 
-Every rank of the group runs the same calls in the same order (SPMD); stages/trainer/megatron_backend.py makes
-sure of it. The model is built from an HF directory's config.json (Llama/Qwen2: RMSNorm, SwiGLU, RoPE with the
-model's theta, GQA, qkv bias for Qwen2) with megatron-core's local layer spec, and its weights are the HF
-safetensors sharded for this rank (stages/trainer/megatron_convert.py), so training starts from exactly the
-weights the engines serve.
+The ranks form a TP x DP grid (megatron's order: the TP ranks of one model replica are consecutive). Every rank
+runs the same calls in the same order (SPMD); stages/trainer/megatron_backend.py makes sure of it and gives each
+data-parallel replica its share of the rows. The replicas' gradients are summed (megatron's DDP with
+`calculate_per_token_loss`, so it does not divide by DP): each share's loss is already divided by the whole
+mini-batch's counts, so the sum is the single-replica gradient.
+
+The model is built from an HF directory's config.json (Llama/Qwen2: RMSNorm, SwiGLU, RoPE with the model's theta,
+GQA, qkv bias for Qwen2) with megatron-core's local layer spec, and its weights are the HF safetensors sharded for
+this rank (stages/trainer/megatron_convert.py), so training starts from exactly the weights the engines serve.
 
 On CPU megatron-core trains with three shims (DESIGN.md §4): `torch.cuda.current_device` answers "cpu", an RNG
 tracker that does not fork CUDA states, and an explicit bool causal mask. Its schedules and optimizer hard-code
@@ -28,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.trainer.loss import TokenForward, entropy_from_logits
+from stages.trainer.loss import AggCounts, TokenForward, entropy_from_logits
 from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, merge, shard, shard_dim, to_hf
 from stages.trainer.megatron_moe import MegatronRouteReplay, layer_spec, moe_config
 from stages.trainer.settings import PolicySettings
@@ -84,6 +88,7 @@ class MegatronRank:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size, 1)
         self.tp, self.tp_rank = tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
         self.model_dir = Path(model_dir)
         self.shape = ModelShape.from_hf(json.loads((self.model_dir / "config.json").read_text()))
         self.shape.check_tp(self.tp)
@@ -124,6 +129,8 @@ class MegatronRank:
             persist_layer_norm=False,
             gradient_accumulation_fusion=False,
             tensor_model_parallel_size=self.tp,
+            # DDP sums the replicas' gradients instead of averaging them: the loss is already a mini-batch mean
+            calculate_per_token_loss=True,
             params_dtype=torch.float32,
             use_cpu_initialization=True,
             **moe_config(s, replay=self.policy.router_replay.active),
@@ -236,12 +243,19 @@ class MegatronRank:
     # --- training ------------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]], recompute: bool = False) -> dict[str, float]:
         """TorchTrainer.train_step's contract: one optimizer update per mini-batch, the same metric keys."""
+        return self.train_shares(minibatches, recompute).metrics()
+
+    def train_shares(
+        self, minibatches: list[dict[str, list]], recompute: bool = False, counts: list[AggCounts] | None = None
+    ) -> StepTotals:
+        """One update per mini-batch from this replica's share of its rows; `counts`: the whole mini-batches'
+        aggregation counts (every replica divides by them). Returns the sums StepTotals.add_rank adds up."""
         totals = StepTotals(self.policy)
         anchors = [self._anchor(mb) if recompute else None for mb in minibatches]
         update = self._update_cuda if self.cuda else self._update
-        for rows, anchor in zip(minibatches, anchors, strict=True):
-            update(Minibatch.of(rows, self.policy, anchor), totals)
-        return totals.metrics()
+        for i, (rows, anchor) in enumerate(zip(minibatches, anchors, strict=True)):
+            update(Minibatch.of(rows, self.policy, anchor, counts=counts[i] if counts else None), totals)
+        return totals
 
     def _anchor(self, rows: dict[str, list]) -> list:
         """Proximal logprobs; with routing replay, under the engine's routes (as verl's R3)."""
@@ -295,6 +309,7 @@ class MegatronRank:
             micro_batch_size=self.policy.micro_batch_size,
             forward_only=False,
         )
+        self.model.finish_grad_sync()  # the schedule leaves the DP reduction to finalize_model_grads, unset here
         _, grad_norm, _ = self.optimizer.step()
         totals.add_update(float(grad_norm or 0.0))
 
@@ -366,8 +381,9 @@ class MegatronRank:
             yield from to_hf(name, merge(name, shards, self.shape), self.shape)
 
     def drain_export(self, bucket_bytes: int = 64 << 20) -> int:
-        """A non-zero rank's part of an export: take part in every gather, keep nothing."""
-        return sum(1 for _ in self.export(bucket_bytes))
+        """A non-zero rank's part of an export: take part in every gather, keep nothing. The other data-parallel
+        replicas hold the same weights and their own TP groups: they have no part in it."""
+        return sum(1 for _ in self.export(bucket_bytes)) if self.dp_rank == 0 else 0
 
     @torch.no_grad()
     def fill_hf(self, hf_name: str, value: float) -> None:
