@@ -78,16 +78,23 @@ def _run(items: list[str]) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from pipeline.config import ConfigError, load_config
-    from pipeline.sim.planner import Hardware, report
+    from pipeline.sim.planner import Hardware, replica_gpus, report
 
     path = args.items[0] if args.items and "=" not in args.items[0] else None
     try:
         cfg = load_config(path, args.items[1:] if path else args.items)
-        hw = Hardware(args.gpus, args.gpus_per_replica, args.sim_engine_gpus, args.sim_trainer_gpus, args.switch_s)
+        hw = Hardware(
+            args.gpus,
+            args.gpus_per_replica,
+            args.sim_engine_gpus,
+            args.sim_trainer_gpus,
+            args.switch_s,
+            trainer_replica_gpus=replica_gpus(cfg),
+        )
+        print(report(cfg, hw, args.max_staleness))
     except (ConfigError, ValueError) as err:
         print(f"asyncrl plan: {err}", file=sys.stderr)
         return 2
-    print(report(cfg, hw, args.max_staleness))
     return 0
 
 

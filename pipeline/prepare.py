@@ -22,7 +22,7 @@ from pipeline import checkpoint
 from pipeline.checkpoint import Checkpoint
 from pipeline.clock import VersionClock
 from pipeline.config import ConfigError, RunConfig, to_yaml
-from pipeline.config.placement import Placement, trainer_rank_gpus
+from pipeline.config.placement import Placement, megatron_data_parallel_size, trainer_rank_gpus
 from pipeline.observe.monitor import Monitor, make_monitor
 from pipeline.stream import check_layout, wait_for_executors
 from pipeline.tasks.admission import AdmissionOrder, PromptSource
@@ -101,7 +101,7 @@ class RunContext:
         if t.backend == "megatron":
             from stages.trainer.megatron_backend import MegatronTrainer as Trainer
 
-            extra |= dataclasses.asdict(a.megatron)
+            extra |= dataclasses.asdict(a.megatron) | {"data_parallel_size": megatron_data_parallel_size(self.cfg)}
             extra["rank_resources"] = self.placement.trainer_resources()  # its peers sit on rank 0's node
         elif a.fsdp_config.fsdp_size > 1:
             from stages.trainer.fsdp_backend import FSDPTrainer as Trainer

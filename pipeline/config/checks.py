@@ -62,7 +62,12 @@ def validate(cfg: RunConfig) -> None:
         ),
     ]
     for ok, message in (
-        checks + _correction_checks(cfg) + _megatron_checks(cfg) + _fsdp_checks(cfg) + _reward_checks(cfg)
+        checks
+        + _correction_checks(cfg)
+        + _megatron_checks(cfg)
+        + _trainer_rank_checks(cfg)
+        + _fsdp_checks(cfg)
+        + _reward_checks(cfg)
     ):
         if not ok:
             raise ConfigError(message)
@@ -161,16 +166,45 @@ def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
 
 def _fsdp_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
     size, key = cfg.actor.fsdp_config.fsdp_size, "actor.fsdp_config.fsdp_size"
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     return [
         (
             size >= 1,
-            f"{key} must be >= 1 (the torch trainer's data-parallel ranks), not {size}; verl's -1 ('every trainer "
-            "GPU') has no counterpart here: give the number, 1 for a single process",
+            f"{key} must be >= 1 (the torch trainer's data-parallel ranks) or -1 with trainer.n_gpus_per_node "
+            f"(every trainer rank), not {size}",
         ),
         (
             size == 1 or cfg.trainer.backend == "torch",
             f"{key}={size} shards the torch trainer, but trainer.backend={cfg.trainer.backend}: set "
             f"trainer.backend=torch or {key}=1",
+        ),
+        (
+            cfg.trainer.backend != "torch" or not world or size == world,
+            f"the torch backend runs {key}={size} ranks, but trainer.n_gpus_per_node x trainer.nnodes = {world}: "
+            f"set {key}=-1 (all of them) or make them equal (shard groups smaller than the trainer, verl's HSDP, "
+            "are not supported)",
+        ),
+    ]
+
+
+def _trainer_rank_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    t, mg = cfg.trainer, cfg.actor.megatron
+    world, replica = t.n_gpus_per_node * t.nnodes, mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size
+    return [
+        (
+            t.n_gpus_per_node >= 0,
+            f"trainer.n_gpus_per_node must be >= 0 (0: one model replica), not {t.n_gpus_per_node}",
+        ),
+        (
+            t.nnodes == 1,
+            f"trainer.nnodes={t.nnodes}: every trainer rank runs on the first rank's node today; set trainer.nnodes=1 "
+            "and the ranks in trainer.n_gpus_per_node",
+        ),
+        (
+            t.backend != "megatron" or replica < 1 or world % replica == 0,
+            f"trainer.n_gpus_per_node x trainer.nnodes = {world} trainer ranks is not a multiple of "
+            f"actor.megatron.tensor_model_parallel_size x pipeline_model_parallel_size = {replica} (one model "
+            "replica): the data-parallel size would not be whole",
         ),
     ]
 

@@ -93,8 +93,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except ValueError as err:  # a dataclass's own range check (sim.*)
         raise ConfigError(str(err)) from None
 
+    _derive(cfg)
     validate(cfg)
     return cfg
+
+
+def _derive(cfg: RunConfig) -> None:
+    """Sizes that verl writes relative to others: fsdp_size -1 is every trainer rank."""
+    fsdp, world = cfg.actor.fsdp_config, cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    if fsdp.fsdp_size == -1 and world > 0 and cfg.trainer.backend == "torch":
+        fsdp.fsdp_size = world
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -67,6 +67,20 @@ def engine_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
     return cfg.ray.gpus_per_engine if cfg.stages.generate["_target_"] == VLLM and cluster_gpus > 0 else 0.0
 
 
+def trainer_ranks(cfg: RunConfig) -> int:
+    """Processes of the trainer: Megatron's TP x PP x DP grid, the torch backend's FSDP ranks, the sim's one."""
+    t, mg = cfg.trainer, cfg.actor.megatron
+    if t.backend == "megatron":
+        return t.n_gpus_per_node * t.nnodes or mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size
+    return cfg.actor.fsdp_config.fsdp_size if t.backend == "torch" else 1
+
+
+def megatron_data_parallel_size(cfg: RunConfig) -> int:
+    """Model replicas of the Megatron trainer: its ranks over one replica's (TP x PP)."""
+    mg = cfg.actor.megatron
+    return trainer_ranks(cfg) // (mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size)
+
+
 def trainer_rank_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
     """GPUs each trainer rank asks for: multi-rank trainers (Megatron, FSDP) compute on GPUs when the cluster has
     them."""
@@ -91,8 +105,7 @@ class Group:
 def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference: bool) -> list[Group]:
     """What the run's actors ask Ray for, as prepare.py and stream.py ask it (`reference`: the stream computes
     reference logprobs)."""
-    t, tp = cfg.trainer, cfg.actor.megatron.tensor_model_parallel_size
-    ranks = tp if t.backend == "megatron" else cfg.actor.fsdp_config.fsdp_size if t.backend == "torch" else 1
+    t, ranks = cfg.trainer, trainer_ranks(cfg)
     trainer_cpus = 0.0 if t.backend == "sim" else 1.0  # the first rank's; the peers ask for none
     trainer = {"CPU": trainer_cpus, "GPU": ranks * trainer_rank_gpus(cfg, cluster_gpus)}
     engine = {"CPU": 1.0, "GPU": engine_gpus(cfg, cluster_gpus)}
@@ -103,7 +116,8 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
             1,
             trainer,
             {placement.trainer: ranks * SHARE} if placement.trainer else {},
-            "actor.megatron.tensor_model_parallel_size, actor.fsdp_config.fsdp_size, ray.gpus_per_trainer_rank"
+            "trainer.n_gpus_per_node, actor.megatron.tensor_model_parallel_size, actor.fsdp_config.fsdp_size, "
+            "ray.gpus_per_trainer_rank"
             if ranks > 1 or trainer["GPU"]
             else "",
         ),

@@ -117,8 +117,8 @@ class MegatronConfig:
 class FSDPConfig:
     fsdp_size: int = 1
     """Data-parallel ranks of trainer.backend=torch (verl's key), each an FSDP2 shard of the model training its
-    token-balanced share of every mini-batch; 1 is one process without sharding. verl's default -1 ('every
-    trainer GPU') has no counterpart here: give the number."""
+    token-balanced share of every mini-batch; 1 is one process without sharding; -1 (verl's 'every trainer GPU')
+    is trainer.n_gpus_per_node x trainer.nnodes."""
 
 
 @dataclass
@@ -266,6 +266,12 @@ class TrainerConfig:
     artifacts inside the run directory (<run>/mlflow)."""
     experiment_name: str = "asyncrl"
     """MLflow experiment of the run (created when missing)."""
+    n_gpus_per_node: int = 0
+    """verl's trainer ranks per node (GPUs on a GPU cluster, processes on CPU). trainer.backend=megatron runs
+    n_gpus_per_node x nnodes ranks, data-parallel size = that / (tensor x pipeline parallel size); 0 means one
+    model replica (TP x PP ranks). The torch backend's ranks are actor.fsdp_config.fsdp_size (-1: these)."""
+    nnodes: int = 1
+    """verl's trainer nodes. Every trainer rank runs on the first rank's node today: only 1."""
     seed: int = 0
     """Seed for model init, warm start and sampling."""
     torch_threads: int = 1

@@ -86,12 +86,32 @@ def test_fsdp_size_key():
         load_config(None, ["actor.fsdp_config.fsdp_szie=2"])
 
 
+def test_trainer_ranks_come_from_verls_keys():
+    """verl sizes the trainer by its GPUs: Megatron's DP is the ranks over TP x PP, and fsdp_size -1 is all."""
+    from pipeline.config.placement import megatron_data_parallel_size, trainer_ranks
+
+    megatron = ["trainer.backend=megatron", "actor.megatron.tensor_model_parallel_size=2"]
+    one_replica = load_config(None, megatron)
+    assert (trainer_ranks(one_replica), megatron_data_parallel_size(one_replica)) == (2, 1)
+    grid = load_config(None, [*megatron, "trainer.n_gpus_per_node=6"])
+    assert (trainer_ranks(grid), megatron_data_parallel_size(grid)) == (6, 3)
+    fsdp = load_config(None, ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"])
+    assert fsdp.actor.fsdp_config.fsdp_size == trainer_ranks(fsdp) == 4
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["actor.fsdp_config.fsdp_size=0"], "fsdp_size must be >= 1 .*not 0"),
-        (["actor.fsdp_config.fsdp_size=-1"], "verl's -1 .* has no counterpart here"),
+        (["actor.fsdp_config.fsdp_size=-1"], "or -1 with trainer.n_gpus_per_node"),
         (["trainer.backend=megatron", "actor.fsdp_config.fsdp_size=2"], "set trainer.backend=torch or"),
+        (["trainer.n_gpus_per_node=4", "actor.fsdp_config.fsdp_size=2"], r"fsdp_size=-1 \(all of them\)"),
+        (["trainer.n_gpus_per_node=-2"], "n_gpus_per_node must be >= 0"),
+        (["trainer.n_gpus_per_node=2", "trainer.nnodes=2", "actor.fsdp_config.fsdp_size=-1"], "set trainer.nnodes=1"),
+        (
+            ["trainer.backend=megatron", "actor.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=3"],
+            "3 trainer ranks is not a multiple of .* = 2",
+        ),
     ],
 )
 def test_bad_fsdp_sizes_are_one_clear_error(overrides, message):

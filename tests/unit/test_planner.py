@@ -63,6 +63,20 @@ def test_max_staleness_limits_the_candidates():
     assert {c.staleness for c in ranked} == {0.0, 0.25}
 
 
+def test_the_trainer_gets_whole_model_replicas_and_the_report_names_its_data_parallel_keys():
+    from pipeline.sim.planner import replica_gpus, report
+
+    cfg = _toy("trainer.backend=megatron", "actor.megatron.tensor_model_parallel_size=4")
+    hw = Hardware(24, 2, 8, 8, 0.0, trainer_replica_gpus=replica_gpus(cfg))
+    ranked = candidates(cfg, hw, max_staleness=0.5)
+    assert {c.trainer_gpus for c in ranked} == {4, 8, 12, 16, 20}  # 2-GPU engine steps, but 4-GPU replicas
+    assert all(c.data_parallel * 4 == c.trainer_gpus for c in ranked)
+    best = ranked[0]
+    assert f"data-parallel size {best.data_parallel} x 4 GPUs" in report(cfg, hw, 0.5)
+    with pytest.raises(ValueError, match="whole 4-GPU model replicas"):
+        candidates(cfg, Hardware(6, 3, 8, 8, 0.0, trainer_replica_gpus=4), max_staleness=0.5)
+
+
 def test_plan_command_prints_a_recommendation_and_refuses_a_budget_too_small():
     cmd = [sys.executable, "-m", "pipeline.cli", "plan", "conf/sim/toy.yaml", "--gpus", "32"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
