@@ -1,12 +1,13 @@
-"""Trainer step time at DP = 1 and DP = 2 (the torch backend: FSDP2, `actor.fsdp_config.fsdp_size`), on the same
-mini-batch, side by side in one run, and the weight export (gather every parameter, what a push or a publish does)
-at both.
+"""Trainer step time at DP = 1 and DP = 2 on the same mini-batch, side by side in one run, and the weight export
+(gather every parameter, what a push or a publish does), for both backends: torch (FSDP2, `actor.fsdp_config.
+fsdp_size`) and Megatron (DP x TP = 1 x 1, 2 x 1 and 1 x 2: `trainer.n_gpus_per_node` over
+`actor.megatron.tensor_model_parallel_size`).
 
 The embedded model, one step of one 64-row mini-batch (the embedded job's step: 8 prompts x 8 responses) with the
-proximal pass on; the two trainers alternate for ROUNDS rounds and the median of each is reported, so the machine's
+proximal pass on; the trainers alternate for ROUNDS rounds and the median of each is reported, so the machine's
 background load falls on both alike. Each rank runs one torch thread, so DP = 2 uses two cores where DP = 1 uses one.
 
-    python -m bench.data_parallel          # about a minute on 2 cores
+    python -m bench.data_parallel          # a few minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
     from pipeline.prepare import start_ray
     from pipeline.tasks.embedded import build_embedded
     from stages.trainer.fsdp_backend import FSDPTrainer
+    from stages.trainer.megatron_backend import MegatronTrainer
     from stages.trainer.settings import PolicySettings
     from stages.trainer.torch_backend import TorchTrainer
 
@@ -55,27 +57,37 @@ def main() -> None:
     start_ray(load_config(None, []), out)
     model_dir = str(build_embedded(out, 8, seed=5).model_dir)
     policy, batch = PolicySettings(lr=1e-5, micro_batch_size=16), minibatch()
+    args = dict(policy=policy, compute_prox_log_prob=True)
+    megatron = ray.remote(MegatronTrainer).options(num_cpus=0)
     trainers = {
-        1: ray.remote(TorchTrainer).options(num_cpus=0).remote(model_dir, policy, compute_prox_log_prob=True),
-        2: ray.remote(FSDPTrainer).options(num_cpus=0).remote(model_dir, policy, compute_prox_log_prob=True),
+        "torch DP1": ray.remote(TorchTrainer).options(num_cpus=0).remote(model_dir, **args),
+        "torch DP2": ray.remote(FSDPTrainer).options(num_cpus=0).remote(model_dir, **args),
+        "megatron DP1xTP1": megatron.remote(model_dir, **args),
+        "megatron DP2xTP1": megatron.remote(model_dir, **args, data_parallel_size=2),
+        "megatron DP1xTP2": megatron.remote(model_dir, **args, tensor_model_parallel_size=2),
     }
-    steps: dict[int, list[float]] = {1: [], 2: []}
-    exports: dict[int, list[float]] = {1: [], 2: []}
-    for i in range(ROUNDS + 1):  # the first round warms both up and is not counted
-        for dp, trainer in trainers.items():
+    steps: dict[str, list[float]] = {name: [] for name in trainers}
+    exports: dict[str, list[float]] = {name: [] for name in trainers}
+    for i in range(ROUNDS + 1):  # the first round warms them up and is not counted
+        for name, trainer in trainers.items():
             step = timed(ray, lambda t=trainer: t.train_step.remote([batch]))
-            export = timed(ray, lambda t=trainer, f=out / f"dp{dp}.safetensors": t.publish_weights.remote(str(f)))
+            path = str(out / f"{name.replace(' ', '_')}.safetensors")
+            export = timed(ray, lambda t=trainer, f=path: t.publish_weights.remote(f))
             if i:
-                steps[dp].append(step)
-                exports[dp].append(export)
+                steps[name].append(step)
+                exports[name].append(export)
     ray.shutdown()
-    step1, step2 = statistics.median(steps[1]), statistics.median(steps[2])
-    exp1, exp2 = statistics.median(exports[1]), statistics.median(exports[2])
+    step = {name: statistics.median(v) for name, v in steps.items()}
+    export = {name: statistics.median(v) for name, v in exports.items()}
     tokens = sum(len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"], strict=True))
     print(f"\nbench.data_parallel: one step of {len(batch['prompt_ids'])} rows ({tokens} tokens), median of {ROUNDS}")
-    print(f"{'':>24} {'DP = 1':>8} {'DP = 2':>8} {'DP2 / DP1':>10}")
-    print(f"{'train step s':>24} {step1:>8.3f} {step2:>8.3f} {step2 / step1:>10.2f}")
-    print(f"{'weight export s':>24} {exp1:>8.3f} {exp2:>8.3f} {exp2 / exp1:>10.2f}")
+    print(f"{'layout':>18} {'step s':>8} {'step / DP1':>10} {'export s':>9} {'export / DP1':>12}")
+    for name in trainers:
+        base = "torch DP1" if name.startswith("torch") else "megatron DP1xTP1"
+        print(
+            f"{name:>18} {step[name]:>8.3f} {step[name] / step[base]:>10.2f} {export[name]:>9.3f} "
+            f"{export[name] / export[base]:>12.2f}"
+        )
 
 
 if __name__ == "__main__":

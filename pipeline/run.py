@@ -21,6 +21,7 @@ from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import RunContext, prepare
 from pipeline.stream import build_stream, configure_data_context, step_transform
 from pipeline.validate import make_validator
+from stages.handoff import ByReference
 from stages.sink import TrainingSink
 from stages.staleness import StalenessBudget, mode_name
 
@@ -48,7 +49,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
     configure_data_context(cfg.ray.no_progress_timeout_s)
     stream = build_stream(cfg, ctx.source, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle, ctx.start_version)
     sink = TrainingSink(
-        iter(stream.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)),
+        ByReference(stream),  # the driver fetches the light columns; the trainer fetches the per-token ones
         budget,
         cfg.rollout.n,
         str(ctx.run_dir / "consumed"),

@@ -164,6 +164,11 @@ ALL_COLUMNS = (
 )
 SAMPLE_SCHEMA = pa.schema([pa.field(c.name, c.type) for c in ALL_COLUMNS])
 OPTIONAL_COLUMNS = tuple(c.name for c in REFERENCE_COLUMNS + ROUTING_COLUMNS + REWARD_KL_COLUMNS)
+# Columns that grow with the tokens (a value per token or per turn, and the texts the tokens decode to): what the
+# driver leaves in the object store for the trainer to fetch (stages/handoff.py).
+PER_TOKEN_COLUMNS = tuple(
+    f.name for f in SAMPLE_SCHEMA if pa.types.is_list(f.type) or f.name in ("prompt_text", "response_text")
+)
 # What a stage that takes "every column" requires: all but the optional ones.
 REQUIRED_COLUMNS = tuple(n for n in SAMPLE_SCHEMA.names if n not in OPTIONAL_COLUMNS)
 # The sink's consumption log: one row per trained trajectory, joined to the sample log by sample_id.

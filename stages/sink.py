@@ -10,46 +10,61 @@ and before the last steps of a version it waits for the outstanding prompts that
 bound (see stages.staleness). That makes `lag <= ceil(staleness_threshold)` true by construction, and the
 audit checks it from the logs. Data never waits in the sink longer than the bound requires.
 
-`step_transform`, when given, is applied to the step's whole table before it is split into mini-batches: the
-operations verl runs over a training batch, such as the whitening of reinforce_plus_plus's advantages
-(stages.advantage.whiten_step), since a block of the stream holds only some of a step's groups.
+Blocks arrive as stages.handoff.Delivered: the scalar columns, and a reference to the per-token ones, which stay in
+Ray's object store until the trainer fetches them (a plain table holding every column is taken too). A step goes to
+the trainer as stages.handoff.StepRows, and `step_transform`, when given, runs there over the step's whole table
+before it is split into mini-batches: the operations verl runs over a training batch, such as the whitening of
+reinforce_plus_plus's advantages (stages.advantage.whiten_step), since a block of the stream holds only some of a
+step's groups.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from schemas import CONSUMED_SCHEMA, REQUIRED_COLUMNS, require_columns
+from schemas import CONSUMED_SCHEMA, PER_TOKEN_COLUMNS, REQUIRED_COLUMNS, require_columns
+from stages.handoff import Delivered, StepRows
 from stages.staleness import StalenessBudget
+
+LIGHT_REQUIRED = tuple(c for c in REQUIRED_COLUMNS if c not in PER_TOKEN_COLUMNS)
 
 
 @dataclass
 class Step:
-    groups: list[pa.Table]  # one table per prompt, oldest admission first
+    groups: list[pa.Table]  # one table per prompt, oldest admission first (the columns the driver holds)
     wait_s: float  # time the sink spent waiting for the stream
     version: int = 0  # the trainer's weight version at this step
+    refs: list = field(default_factory=list)  # per group: the reference of its per-token columns (or None)
+    transform: Callable[[pa.Table], pa.Table] | None = None
+    heavy_bytes: int = 0  # the per-token columns' size, left in the object store
 
-    def minibatches(self, size: int) -> list[dict[str, list]]:
-        """Column -> rows of each mini-batch, plus `trainer_version` (the step's version, on every row)."""
-        tables = [pa.concat_tables(self.groups[i : i + size]) for i in range(0, len(self.groups), size)]
-        return [{**t.to_pydict(), "trainer_version": [self.version] * t.num_rows} for t in tables]
+    def minibatches(self, size: int) -> StepRows:
+        """The step as the trainer takes it: mini-batches of `size` groups."""
+        starts = range(0, len(self.groups), size)
+        refs = [[r for r in self.refs[i : i + size] if r is not None] for i in starts] if self.refs else []
+        tables = [pa.concat_tables(self.groups[i : i + size]) for i in starts]
+        return StepRows(tables, refs, self.transform, self.version)
 
     @property
     def table(self) -> pa.Table:
         return pa.concat_tables(self.groups)
 
+    @property
+    def driver_bytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
 
 class TrainingSink:
     def __init__(
         self,
-        blocks: Iterator[pa.Table],
+        blocks: Iterator[Delivered | pa.Table],
         budget: StalenessBudget,
         group_size: int,
         consumed_path: str,
@@ -63,6 +78,7 @@ class TrainingSink:
         self.consumed_path = consumed_path.rstrip("/")
         self.outstanding_at_or_before = outstanding_at_or_before
         self.buffer: dict[str, pa.Table] = {}
+        self.refs: dict[str, tuple[object, int]] = {}  # prompt_id -> (per-token table's reference, its bytes)
         self.exhausted = False
 
     def next_step(self, version: int, steps_left_after_this: int) -> Step | None:
@@ -88,29 +104,27 @@ class TrainingSink:
             self._add(block)
         chosen = sorted(self.buffer, key=self._age)[:need]
         groups = [self.buffer.pop(pid) for pid in chosen]
-        if self.step_transform is not None:
-            groups = self._transform(groups)
-        return Step(groups, waited, version)
-
-    def _transform(self, groups: list[pa.Table]) -> list[pa.Table]:
-        """The step's groups after `step_transform` ran over all of them at once, in the same order."""
-        table = self.step_transform(pa.concat_tables(groups))
-        if table.num_rows != len(groups) * self.group_size:
-            raise ValueError(f"step_transform returned {table.num_rows} rows for {len(groups)} groups")
-        return [table.slice(i * self.group_size, self.group_size) for i in range(len(groups))]
+        refs = [self.refs.pop(pid) for pid in chosen]
+        heavy = sum(size for _, size in refs)
+        return Step(groups, waited, version, [ref for ref, _ in refs], self.step_transform, heavy)
 
     def _age(self, prompt_id: str) -> tuple[int, float, str]:
         t = self.buffer[prompt_id]
         return t["admitted_version"][0].as_py(), t["admitted_time"][0].as_py(), prompt_id
 
-    def _add(self, block: pa.Table) -> None:
-        require_columns(block, REQUIRED_COLUMNS, "TrainingSink")
+    def _add(self, delivered: Delivered | pa.Table) -> None:
+        if isinstance(delivered, pa.Table):
+            delivered = Delivered(delivered)
+        block = delivered.light
+        # A split block was checked whole beside its data (stages.handoff.split_block).
+        require_columns(block, REQUIRED_COLUMNS if delivered.ref is None else LIGHT_REQUIRED, "TrainingSink")
         ids = block.column("prompt_id").to_pylist()
         for pid in dict.fromkeys(ids):
             group = block.filter(pc.equal(block["prompt_id"], pid))
             if group.num_rows != self.group_size or pid in self.buffer:
                 raise ValueError(f"group {pid} arrived with {group.num_rows} rows (expected {self.group_size}, once)")
             self.buffer[pid] = group
+            self.refs[pid] = (delivered.ref, delivered.heavy_bytes * group.num_rows // max(block.num_rows, 1))
 
     def record(self, step: Step, version: int, step_index: int) -> None:
         """Append the step's samples to the consumption log."""

@@ -67,6 +67,9 @@ def step_metrics(
         "trainer/wait_s": batch.wait_s,
         "trainer/idle_ratio": batch.wait_s / max(batch.wait_s + train_s, 1e-9),
         "trainer/version": float(version),
+        # The step's samples, and the part of them that crossed the driver (the rest went store -> trainer).
+        "perf/step_bytes": float(batch.driver_bytes + batch.heavy_bytes),
+        "perf/driver_bytes": float(batch.driver_bytes),
         "gate/admitted_total": float(clock_stats["admitted_total"]),
         "gate/outstanding": float(clock_stats["outstanding"]),
         "gate/blocked_s": float(clock_stats["gate_blocked_s"]),

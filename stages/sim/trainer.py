@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from stages.handoff import StepRows, rows_of
 from stages.sim.workload import Workload
 
 
@@ -17,8 +18,9 @@ class SimTrainer:
     def __init__(self, sim: dict[str, Any]) -> None:
         self.work = Workload(**sim)
 
-    def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
+    def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
         start = time.monotonic()
+        minibatches = rows_of(minibatches)
         units = sum(len(ids) for mb in minibatches for ids in mb["response_ids"])
         tokens = units * self.work.token_unit
         time.sleep(self.work.train_s(tokens, len(minibatches)) * self.work.time_scale)

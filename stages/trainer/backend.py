@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from stages.handoff import StepRows
+
 
 class TrainerBackend(Protocol):
-    def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
-        """One trainer step: an optimizer update per mini-batch (column -> list of rows); returns its metrics."""
+    def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
+        """One trainer step: an optimizer update per mini-batch (column -> list of rows); returns its metrics. The
+        driver sends a StepRows (stages/handoff.py), whose per-token columns the trainer fetches itself."""
 
     def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
         """Start the trainer's half of the weight-sync group; returns what the engines need to join it."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
 from stages.trainer.fsdp import DPRank, Share, free_port
 from stages.trainer.settings import CorrectionSettings, PolicySettings
@@ -98,8 +99,9 @@ class FSDPTrainer:
         return [mine, *ray.get(pending)]
 
     # --- training --------------------------------------------------------------------------------------------
-    def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
+    def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
         start = time.monotonic()
+        minibatches = rows_of(minibatches)  # fetched from the object store here, not through the driver
         parts = [balanced_partitions(row_tokens(mb), self.size) for mb in minibatches]
         n = len(minibatches)
         anchors: list = [None] * n

@@ -29,6 +29,7 @@ from typing import Any
 import fsspec
 import torch
 
+from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
 from stages.trainer.megatron_rank import MegatronRank
 from stages.trainer.settings import PolicySettings
@@ -117,8 +118,9 @@ class MegatronTrainer:
         return results[:: self.tp]
 
     # --- training --------------------------------------------------------------------------------------------
-    def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
+    def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
         start = time.monotonic()
+        minibatches = rows_of(minibatches)  # fetched from the object store here, not through the driver
         parts = [balanced_partitions(row_tokens(mb), self.dp) for mb in minibatches]
         # Counted (and checked) over each whole mini-batch here, before any rank starts a collective.
         counts = [Minibatch.of(mb, self.rank.policy).counts for mb in minibatches]

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from stages.handoff import StepRows, rows_of
 from stages.trainer import fsdp
 from stages.trainer.correction import correct_step
 from stages.trainer.fsdp import DPRank, Share
@@ -89,9 +90,10 @@ class TorchTrainer:
         self.sync = make_weight_sync(weight_sync_backend)
 
     # --- training --------------------------------------------------------------------------------------------
-    def train_step(self, minibatches: list[dict[str, list]]) -> dict[str, float]:
+    def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
         """One trainer step: an optimizer update per mini-batch. Each mini-batch maps column -> list of rows."""
         totals = StepTotals(self.policy)
+        minibatches = rows_of(minibatches)  # fetched from the object store here, not through the driver
         # The proximal anchor is the weights at the start of the step: all of it before the first update.
         anchors: list = [None] * len(minibatches)
         corrections: list[tuple[list | None, torch.Tensor | None]] = [(None, None)] * len(minibatches)

@@ -108,7 +108,7 @@ def test_record_writes_the_consumption_log(tmp_path):
     log = pq.read_table(tmp_path / "consumed" / "step-0000007.parquet")
     assert log["sample_id"].to_pylist() == ["A/0", "A/1", "B/0", "B/1"]
     assert set(log["consumed_version"].to_pylist()) == {3}
-    assert step.minibatches(1)[1]["prompt_id"] == ["B", "B"]
+    assert step.minibatches(1).resolve()[1]["prompt_id"] == ["B", "B"]
 
 
 def test_step_transform_runs_over_the_whole_step(tmp_path):
@@ -130,5 +130,7 @@ def test_step_transform_runs_over_the_whole_step(tmp_path):
     step = sink.next_step(version=0, steps_left_after_this=0)
     assert ids(step) == ["A", "B"] and [g.num_rows for g in step.groups] == [N, N]
     h = 0.5 / (1 / 3 + 1e-8) ** 0.5
-    assert step.table["advantage"].to_pylist() == pytest.approx([h, h, -h, -h], abs=1e-6)
-    assert [t[0] for t in step.minibatches(1)[1]["token_advantages"]] == pytest.approx([-h, -h], abs=1e-6)
+    rows = step.minibatches(1).resolve()  # on the trainer, which holds the per-token columns
+    assert rows[0]["advantage"] + rows[1]["advantage"] == pytest.approx([h, h, -h, -h], abs=1e-6)
+    assert [t[0] for t in rows[1]["token_advantages"]] == pytest.approx([-h, -h], abs=1e-6)
+    assert rows[1]["trainer_version"] == [0, 0]

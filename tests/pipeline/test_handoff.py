@@ -1,0 +1,75 @@
+"""The hand-off on a real Ray: a dataset's blocks reach the sink without their per-token columns, and the trainer side
+gets back exactly the rows the stream produced, joined by sample_id, with the step transform over the whole step."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from schemas import PER_TOKEN_COLUMNS, SAMPLE_SCHEMA
+from stages.advantage import whiten_step
+from stages.handoff import ByReference, StepRows
+from stages.sink import TrainingSink
+from stages.staleness import StalenessBudget
+
+N = 2  # responses per prompt
+
+
+def _group(pid: str, version: int, rng) -> pa.Table:
+    lengths = rng.integers(50, 400, N)
+    cols = {name: [None] * N for name in SAMPLE_SCHEMA.names}
+    cols |= {
+        "prompt_id": [pid] * N,
+        "sample_id": [f"{pid}/{i}" for i in range(N)],
+        "prompt_ids": [[1, 2, 3]] * N,
+        "prompt_text": ["1+1?"] * N,
+        "response_ids": [rng.integers(5, 90, n).tolist() for n in lengths],
+        "response_text": ["x" * int(n) for n in lengths],
+        "response_logprobs": [(-rng.random(n)).tolist() for n in lengths],
+        "token_param_version": [[version] * int(n) for n in lengths],
+        "response_mask": [[1] * int(n) for n in lengths],
+        "token_advantages": [rng.normal(size=n).tolist() for n in lengths],
+        "advantage": rng.normal(size=N).tolist(),
+        "admitted_version": [version] * N,
+        "admitted_time": [float(version)] * N,
+        "param_version": [version] * N,
+        "param_version_end": [version] * N,
+        "num_tokens": lengths.tolist(),
+        "num_resumes": [0] * N,
+        "reward": [1.0, 0.0],
+        "finish_reason": ["stop"] * N,
+    }
+    return pa.table(cols, schema=SAMPLE_SCHEMA)
+
+
+def test_the_driver_gets_the_light_columns_and_the_trainer_the_same_rows(ray_session, tmp_path):
+    ray = ray_session
+    rng = np.random.default_rng(0)
+    blocks = [pa.concat_tables([_group(f"p{b}{g}", b, rng) for g in range(2)]) for b in range(3)]
+    dataset = ray.data.from_arrow(blocks)
+    budget = StalenessBudget(0.0, 1, 1, 4)  # a step of 4 prompts, from blocks of 2
+    sink = TrainingSink(ByReference(dataset), budget, N, str(tmp_path / "consumed"), lambda v: 0, whiten_step)
+    step = sink.next_step(version=0, steps_left_after_this=0)
+    sink.close()
+    assert not set(PER_TOKEN_COLUMNS) & set(step.table.column_names)  # nothing per token crossed the driver
+    assert step.heavy_bytes > 5 * step.driver_bytes
+
+    minibatches = step.minibatches(2)
+    assert isinstance(minibatches, StepRows) and all(minibatches.refs)
+
+    @ray.remote(num_cpus=0)
+    def trainer_side(rows: StepRows) -> list[dict]:
+        return rows.resolve()
+
+    got = ray.get(trainer_side.remote(minibatches))
+    chosen = [sid for t in minibatches.minibatches for sid in t["sample_id"].to_pylist()]
+    everything = pa.concat_tables(blocks)
+    original = whiten_step(everything.filter(pc.is_in(everything["sample_id"], pa.array(chosen))))
+    by_id = {row["sample_id"]: row for row in original.to_pylist()}
+    for mb in got:
+        assert set(mb) == set(SAMPLE_SCHEMA.names) | {"trainer_version"}
+        for i, sid in enumerate(mb["sample_id"]):
+            for name in ("response_ids", "response_logprobs", "token_param_version", "response_text", "reward"):
+                assert mb[name][i] == pytest.approx(by_id[sid][name]), (sid, name)
+            # whitened over the whole step's tokens, not the mini-batch's
+            assert mb["token_advantages"][i] == pytest.approx(by_id[sid]["token_advantages"], abs=1e-5)
