@@ -22,6 +22,7 @@ from pipeline import checkpoint
 from pipeline.checkpoint import Checkpoint
 from pipeline.clock import VersionClock
 from pipeline.config import ConfigError, RunConfig, to_yaml
+from pipeline.config.checks import check_engine_heads
 from pipeline.config.placement import Placement, megatron_data_parallel_size, trainer_rank_gpus
 from pipeline.observe.monitor import Monitor, make_monitor
 from pipeline.stream import check_layout, wait_for_executors
@@ -236,8 +237,10 @@ def check_context(cfg: RunConfig, model_dir: Path) -> None:
     """Prompt plus response must fit the model's positions (the embedded model has 256).
 
     vLLM refuses a longer max_model_len, but from inside the Generate actor, after Ray started; this says it once,
-    with the keys to change. A RoPE scaling factor changes the limit by rules vLLM owns, so then vLLM decides."""
+    with the keys to change. A RoPE scaling factor changes the limit by rules vLLM owns, so then vLLM decides. The
+    engine's tensor parallelism must split the model's heads (check_engine_heads), said here too."""
     config = json.loads((model_dir / "config.json").read_text())
+    check_engine_heads(cfg.rollout.tensor_model_parallel_size, config, str(model_dir))
     positions = config.get("max_position_embeddings")
     scaled = "factor" in json.dumps(config.get("rope_scaling") or config.get("rope_parameters") or {})
     need = cfg.data.max_prompt_length + cfg.data.max_response_length

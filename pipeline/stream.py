@@ -72,6 +72,7 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
             "top_p": ro.top_p,
             "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
             "kv_cache_gb": ro.kv_cache_gb,
+            "tensor_parallel_size": ro.tensor_model_parallel_size,
             "seed": cfg.trainer.seed,
             "sim": dataclasses.asdict(cfg.sim),  # for the simulated engine
             "default_agent_loop": ro.agent.default_agent_loop,

@@ -14,7 +14,8 @@ while. The staleness bound stays exact: a replica starts no prompt admitted at a
 (it waits for its load first), so no token is older than its prompt's admission version, as in push mode.
 
 Either way `sync/trainer_blocked_s` is how long the trainer waited, and `sync/engine_paused_s` how long the
-slowest engine stood still (pause, transfer, resume); every replica's load is logged in weight_loads.jsonl.
+slowest engine stood still (pause, transfer, resume); every replica's load is logged in weight_loads.jsonl, with the
+number of its engine's workers (one per tensor-parallel rank) that loaded the version.
 """
 
 from __future__ import annotations
@@ -33,13 +34,20 @@ from stages.engine_busy import idle_ratio
 TIMEOUT_S = 600.0
 
 
-def connect(trainer, clock, members: list[int], timeout_s: float) -> bool:
-    """Form the private weight-sync group of the trainer (rank 0) and the replicas `members` (ranks 1..), the
-    group before it, if any, closed on both sides. False if it did not form within `timeout_s` (a member died while
-    joining; the others gave up too, after the same timeout)."""
-    ranks = {r: i + 1 for i, r in enumerate(members)}
-    group = ray.get(trainer.open_weight_sync.remote(len(members) + 1, timeout_s))
-    message = {"kind": "init_group", "world_size": len(members) + 1, "ranks": ranks, **group}
+def group_ranks(members: list[int], engine_tp: int) -> tuple[int, dict[int, int]]:
+    """The weight-sync group's size and each member replica's first rank: the trainer is rank 0, and the `engine_tp`
+    workers of the i-th member (one per tensor-parallel rank of its engine) are ranks 1 + i * engine_tp onwards, each
+    at its first rank plus its own TP rank. Every engine worker receives every tensor whole and loads its shard."""
+    return 1 + len(members) * engine_tp, {r: 1 + i * engine_tp for i, r in enumerate(members)}
+
+
+def connect(trainer, clock, members: list[int], timeout_s: float, engine_tp: int = 1) -> bool:
+    """Form the private weight-sync group of the trainer (rank 0) and the engine workers of the replicas `members`
+    (`group_ranks`), the group before it, if any, closed on both sides. False if it did not form within `timeout_s`
+    (a member died while joining; the others gave up too, after the same timeout)."""
+    world_size, ranks = group_ranks(members, engine_tp)
+    group = ray.get(trainer.open_weight_sync.remote(world_size, timeout_s))
+    message = {"kind": "init_group", "world_size": world_size, "ranks": ranks, **group}
     seq = ray.get(clock.post.remote(message, members))
     try:
         ray.get(trainer.wait_weight_sync.remote())
@@ -86,10 +94,17 @@ class Push:
     written to the store, for a restarted replica to load (the trainer's weights have moved on by then)."""
 
     def __init__(
-        self, trainer, clock, num_replicas: int, run_dir: Path, snapshots: str = "", connect_timeout_s: float = 30.0
+        self,
+        trainer,
+        clock,
+        num_replicas: int,
+        run_dir: Path,
+        snapshots: str = "",
+        connect_timeout_s: float = 30.0,
+        engine_tp: int = 1,
     ) -> None:
         self.trainer, self.clock, self.num_replicas = trainer, clock, num_replicas
-        self.connect_timeout_s = connect_timeout_s
+        self.connect_timeout_s, self.engine_tp = connect_timeout_s, engine_tp
         self.group: dict[int, int] = {}  # the group's replicas: index -> generation
         self.started = False
         self.log = Path(run_dir) / "weight_loads.jsonl"
@@ -105,7 +120,7 @@ class Push:
             self.started = True
         members = ray.get(self.clock.members.remote())
         if members != self.group:
-            if not connect(self.trainer, self.clock, sorted(members), self.connect_timeout_s):
+            if not connect(self.trainer, self.clock, sorted(members), self.connect_timeout_s, self.engine_tp):
                 return False
             self.group = members
         return True
@@ -125,7 +140,7 @@ class Push:
         snapshot = self.snapshots.write(self.trainer, version, metrics) if self.snapshots else None
         ray.get(self.clock.finish_sync.remote(version, snapshot))
         metrics["sync/latency_s"] = metrics["sync/trainer_blocked_s"] = time.monotonic() - start
-        _log_loads(self.log, [{"replica": a["replica"], "version": version, "loaded_at": time.time()} for a in acks])
+        _log_loads(self.log, [{**a, "version": version, "loaded_at": time.time()} for a in acks])
         return metrics
 
     def collect(self, wait: bool = False) -> dict[str, float]:
@@ -221,10 +236,15 @@ def make_syncer(cfg, trainer, clock, run_dir: Path) -> Push | Pull:
         return Pull(trainer, clock, cfg.weight_sync.store, run_dir)
     # A restarted replica needs the current version's weights, which only the store can give it in push mode.
     snapshots = store_root(cfg.weight_sync.store, run_dir) if cfg.rollout.engine_max_restarts > 0 else ""
-    return Push(trainer, clock, cfg.rollout.num_replicas, run_dir, snapshots, cfg.weight_sync.connect_timeout_s)
+    ro = cfg.rollout
+    timeout_s = cfg.weight_sync.connect_timeout_s
+    return Push(trainer, clock, ro.num_replicas, run_dir, snapshots, timeout_s, ro.tensor_model_parallel_size)
 
 
 def _log_loads(path: Path, loads: list[dict]) -> None:
     with open(path, "a", encoding="utf-8") as f:
         for load in loads:
-            f.write(json.dumps({k: load[k] for k in ("replica", "version", "loaded_at") if k in load}) + "\n")
+            f.write(
+                json.dumps({k: load[k] for k in ("replica", "version", "loaded_at", "engine_ranks") if k in load})
+                + "\n"
+            )

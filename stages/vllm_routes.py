@@ -11,7 +11,9 @@ Two ways to get them, one interface (`RouteCapture`):
   is unverified here.
 - `HookRoutes`: the worker extension's capture function on every router (stages/vllm_worker.py's RouteCapture),
   fetched after the request ends. Needs prefix caching off (a cached prefix is not recomputed, so it has no routes).
-  Fetches of requests that end close together share one `collective_rpc`.
+  Fetches of requests that end close together share one `collective_rpc`. With tensor parallelism every worker runs
+  every router on the whole batch and files the same rows (measured on CPU at TP = 2: both workers' rows equal, and
+  equal TP = 1's); the first worker's are taken, and every worker forgets its rows at the fetch.
 
 Either way a request's rows cover its whole context, so a resumed or continued response gets the routes of its
 whole context again: the caller replaces the stored routes, never appends to them.

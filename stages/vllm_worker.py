@@ -3,12 +3,13 @@
 vLLM mixes one class into every engine worker (`worker_extension_cls`): `EngineWorker`, made of `WeightReceiver` and
 `RouteCapture`; the Generate stage reaches their methods through `collective_rpc`.
 
-Weight sync: The trainer and the workers share one private process group (created with
-vLLM's stateless init, so neither side's global torch.distributed state is touched: Megatron's groups and ours
-never collide). The trainer is rank 0 and broadcasts each tensor; a worker receives them lazily inside the
-iterator it hands to `reload_weights`, which brackets the copy with vLLM's layerwise reload (CPU linear layers
-repack their weights after loading, so a plain `load_weights` after start-up would be wrong). Only one tensor is
-in flight at a time: no second copy of the model.
+Weight sync: The trainer and the workers share one private process group (created with vLLM's stateless init, so
+neither side's global torch.distributed state is touched: Megatron's groups and ours never collide). The trainer is
+rank 0 and broadcasts each tensor; every worker of an engine (one per tensor-parallel rank) is a member, receives
+each tensor whole and loads its own shard of it (vLLM's weight loaders cut it). A worker receives the tensors lazily
+inside the iterator it hands to `reload_weights`, which brackets the copy with vLLM's layerwise reload (CPU linear
+layers repack their weights after loading, so a plain `load_weights` after start-up would be wrong). Only one tensor
+is in flight at a time: no second copy of the model. Pull mode's file is read and loaded by every worker alike.
 
 After every reload the CPU MoE experts are packed again (`repack_cpu_experts`): vLLM's reload leaves them in the
 checkpoint layout, which its CPU kernel reads as garbage.
@@ -43,8 +44,9 @@ class WeightReceiver:
     """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
 
     def init_weight_group(
-        self, host: str, port: int, rank: int, world_size: int, backend: str, connect_timeout_s: float = 30.0
+        self, host: str, port: int, first_rank: int, world_size: int, backend: str, connect_timeout_s: float = 30.0
     ) -> None:
+        """Join the trainer's group at `first_rank` (this engine's) plus this worker's rank in its engine."""
         from vllm.distributed.utils import (
             stateless_destroy_torch_distributed_process_group,
             stateless_init_torch_distributed_process_group,
@@ -59,7 +61,7 @@ class WeightReceiver:
         self._weight_group = stateless_init_torch_distributed_process_group(
             host,
             port,
-            rank,
+            first_rank + self.rank,  # the worker's rank among its engine's TP ranks
             world_size,
             backend="gloo" if self._weight_ipc else backend,
             timeout=timedelta(seconds=connect_timeout_s),  # a peer that died while joining: give up, be asked again
@@ -106,7 +108,9 @@ class WeightReceiver:
         return len(weights)
 
     def weight_checksum(self, name: str) -> float:
-        """Sum of one parameter as the engine holds it (tests use it to see a pushed change arrive)."""
+        """Sum of one parameter as this worker holds it: its TP rank's shard (tests use it to see a pushed change
+        arrive at every rank). On CPU a linear layer's `weight` is empty once vLLM packed it: read an embedding or a
+        norm."""
         params = dict(self.model_runner.get_model().named_parameters())
         return float(params[name].detach().float().sum())
 

@@ -13,6 +13,8 @@ from pipeline.config.schema import (
 )
 from pipeline.config.targets import stage_kwargs
 
+VLLM_GENERATE = "stages.generate.VLLMGenerate"
+
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that the types alone cannot express."""
@@ -68,6 +70,7 @@ def validate(cfg: RunConfig) -> None:
         + _trainer_rank_checks(cfg)
         + _fsdp_checks(cfg)
         + _reward_checks(cfg)
+        + _engine_tp_checks(cfg)
     ):
         if not ok:
             raise ConfigError(message)
@@ -207,6 +210,40 @@ def _trainer_rank_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             "replica): the data-parallel size would not be whole",
         ),
     ]
+
+
+def _engine_tp_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    tp, key = cfg.rollout.tensor_model_parallel_size, "rollout.tensor_model_parallel_size"
+    target = cfg.stages.generate["_target_"]
+    return [
+        (tp >= 1, f"{key} must be >= 1 (the devices of each vLLM engine), not {tp}"),
+        (
+            tp == 1 or target == VLLM_GENERATE,
+            f"{key}={tp} splits each vLLM engine over {tp} devices, but stages.generate._target_={target} runs no "
+            f"vLLM engine: set {key}=1, or stages.generate._target_={VLLM_GENERATE}",
+        ),
+        (
+            tp == 1 or cfg.weight_sync.backend != "ipc",
+            f"weight_sync.backend=ipc shares one GPU between trainer and engine, and {key}={tp} puts each engine on "
+            f"{tp} GPUs: use weight_sync.backend=nccl, or {key}=1",
+        ),
+    ]
+
+
+def check_engine_heads(tp: int, model_config: dict, model: str) -> None:
+    """vLLM splits the attention heads evenly over an engine's TP ranks (key and value heads that do not split are
+    replicated): `tp` must divide the model's attention heads. Said before Ray starts, not by the engine in its actor.
+    """
+    heads = model_config.get("num_attention_heads")
+    if isinstance(heads, int) and heads % tp:
+        raise ConfigError(
+            f"rollout.tensor_model_parallel_size={tp} must divide the model's {heads} attention heads "
+            f"(num_attention_heads of {model}): use one of {', '.join(str(d) for d in _divisors(heads))}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _megatron_checks(cfg: RunConfig) -> list[tuple[bool, str]]:

@@ -10,8 +10,8 @@ it on the head), and the gate calls the clock for every block. On one machine th
 `check` compares what the layout asks for with the nodes' totals (not what is free now: a layout that waits for
 another job's actors is not refused) and returns one message naming both. Without it an actor that no node can
 hold waits for ever, and the run hangs without a word. The rules are necessary conditions, not a bin packing: every
-bundle (what must share one node: an actor, a Megatron TP group) fits on some node that may take it, and the
-bundles bound to a kind of node fit in those nodes' sum, as everything fits in the cluster's.
+bundle (what must share one node: an actor, a Megatron TP group, an engine's TP ranks) fits on some node that may
+take it, and the bundles bound to a kind of node fit in those nodes' sum, as everything fits in the cluster's.
 
 Pure: no Ray here. The driver reads the nodes (`ray.nodes()`) and sets each actor's options from a Placement.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipeline.config.schema import RayConfig, RunConfig
+from pipeline.config.schema import ConfigError, RayConfig, RunConfig
 
 SHARE = 0.001
 HEAD = "node:__internal_head__"
@@ -63,8 +63,18 @@ def resolve(ray_cfg: RayConfig, nodes: list[Mapping[str, float]]) -> Placement:
 
 
 def engine_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
-    """GPUs a Generate replica asks for: `ray.gpus_per_engine` for a vLLM engine on a cluster with GPUs, else none."""
-    return cfg.ray.gpus_per_engine if cfg.stages.generate["_target_"] == VLLM and cluster_gpus > 0 else 0.0
+    """GPUs a Generate replica asks for: `ray.gpus_per_engine` per tensor-parallel rank of a vLLM engine on a cluster
+    with GPUs, else none. An engine over several GPUs holds them whole: Ray gives one actor its GPUs on one node, and
+    vLLM's workers take the GPUs the actor sees, one each."""
+    if cfg.stages.generate["_target_"] != VLLM or cluster_gpus <= 0:
+        return 0.0
+    tp, per_rank = cfg.rollout.tensor_model_parallel_size, cfg.ray.gpus_per_engine
+    if tp > 1 and per_rank != 1:
+        raise ConfigError(
+            f"rollout.tensor_model_parallel_size={tp} runs each engine on {tp} whole GPUs, one per rank, and "
+            f"ray.gpus_per_engine={per_rank:g} asks for {per_rank:g} GPU per rank: set ray.gpus_per_engine=1"
+        )
+    return tp * per_rank
 
 
 def trainer_ranks(cfg: RunConfig) -> int:
@@ -110,6 +120,7 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
     trainer = {"CPU": trainer_cpus, "GPU": ranks * trainer_rank_gpus(cfg, cluster_gpus)}
     engine = {"CPU": 1.0, "GPU": engine_gpus(cfg, cluster_gpus)}
     engines = cfg.rollout.num_replicas + (1 if cfg.async_training.use_trainer_do_validate else 0)
+    engine_tp = cfg.rollout.tensor_model_parallel_size if engine["GPU"] else 1
     groups = [
         _group(
             f"trainer ({ranks} rank{'s' * (ranks > 1)} on one node)" if ranks > 1 else "trainer",
@@ -122,11 +133,13 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
             else "",
         ),
         _group(
-            "engine",
+            f"engine ({engine_tp} GPUs on one node)" if engine_tp > 1 else "engine",
             engines,
             engine,
             placement.rollout_resources(),
-            "rollout.num_replicas, ray.gpus_per_engine" if engine["GPU"] else "rollout.num_replicas",
+            "rollout.num_replicas, rollout.tensor_model_parallel_size, ray.gpus_per_engine"
+            if engine["GPU"]
+            else "rollout.num_replicas",
         ),
         _group("staleness gate", 1, {"CPU": 0.1}, placement.head_resources(), HEAD_CPUS if placement.head else CPUS),
         _group("stream task", 1, {"CPU": 0.25}, {}, CPUS),
@@ -175,9 +188,13 @@ def _fits_one_node(group: Group, pool: list[Mapping[str, float]]) -> tuple[str, 
     if not need or any(all(n.get(r, 0.0) + 1e-9 >= v for r, v in need.items()) for n in pool):
         return None
     if group.on == HEAD:
-        return f"a {group.name} needs {_resources(need)} on the head, which has less", group.keys
+        return f"{_a(group.name)} needs {_resources(need)} on the head, which has less", group.keys
     where = f" with `{group.on}`" if group.on else ""
-    return f"a {group.name} needs {_resources(need)} on one node{where}, and none has that much", group.keys
+    return f"{_a(group.name)} needs {_resources(need)} on one node{where}, and none has that much", group.keys
+
+
+def _a(name: str) -> str:
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _keys(groups: list[Group]) -> str:

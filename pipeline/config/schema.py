@@ -185,6 +185,9 @@ class RolloutConfig:
     """Nucleus sampling."""
     num_replicas: int = 1
     """Generate actors, each owning one engine."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks of each vLLM engine (verl's key): a replica's engine runs on this many devices of one
+    node (GPUs; CPU cores on CPU), and every rank joins the weight sync. Must divide the model's attention heads."""
     prompts_per_call: int = 2
     """Prompts per Generate call; calls_in_flight of them run concurrently in each engine."""
     calls_in_flight: int = 4
