@@ -91,8 +91,11 @@ class Group:
 def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference: bool) -> list[Group]:
     """What the run's actors ask Ray for, as prepare.py and stream.py ask it (`reference`: the stream computes
     reference logprobs)."""
-    t, tp = cfg.trainer, cfg.actor.megatron.tensor_model_parallel_size
-    ranks = tp if t.backend == "megatron" else cfg.actor.fsdp_config.fsdp_size if t.backend == "torch" else 1
+    t, mg = cfg.trainer, cfg.actor.megatron
+    megatron_ranks = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size
+    ranks = (
+        megatron_ranks if t.backend == "megatron" else cfg.actor.fsdp_config.fsdp_size if t.backend == "torch" else 1
+    )
     trainer_cpus = 0.0 if t.backend == "sim" else 1.0  # the first rank's; the peers ask for none
     trainer = {"CPU": trainer_cpus, "GPU": ranks * trainer_rank_gpus(cfg, cluster_gpus)}
     engine = {"CPU": 1.0, "GPU": engine_gpus(cfg, cluster_gpus)}
@@ -103,7 +106,8 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
             1,
             trainer,
             {placement.trainer: ranks * SHARE} if placement.trainer else {},
-            "actor.megatron.tensor_model_parallel_size, actor.fsdp_config.fsdp_size, ray.gpus_per_trainer_rank"
+            "actor.megatron.tensor_model_parallel_size, actor.megatron.pipeline_model_parallel_size, "
+            "actor.fsdp_config.fsdp_size, ray.gpus_per_trainer_rank"
             if ranks > 1 or trainer["GPU"]
             else "",
         ),

@@ -81,10 +81,15 @@ def _tie(model_dir, out) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("pp")
     untied = build_embedded(root, 10, seed=3).model_dir
-    dirs = {"untied": str(untied), "tied": _tie(untied, root / "tied")}
+    return {"untied": str(untied), "tied": _tie(untied, root / "tied")}
+
+
+@pytest.fixture(scope="module")
+def runs(model_dirs):
+    dirs = model_dirs
     return dirs, {(kind, tp, pp): _train(tp, pp, dirs[kind]) for kind, layouts in LAYOUTS.items() for tp, pp in layouts}
 
 
@@ -123,3 +128,56 @@ def test_pp2_trains_with_the_losses_of_pp1(runs, kind):
         for name in one["end"]:
             np.testing.assert_allclose(one["end"][name], other["end"][name], rtol=0, atol=10 * TOL, err_msg=name)
             assert not np.array_equal(one["end"][name], one["start"][name]) or "norm" in name
+
+
+def test_the_backend_at_pp2_dp2_trains_exports_and_resumes_as_pp1(ray_session, model_dirs, tmp_path):
+    """MegatronTrainer (rank 0 a Ray actor starting its peers, as in a run) with PP = 2 x DP = 2: each replica's
+    results come from its last stage, the export from rank 0, and its checkpoint (the first replica's two stages'
+    optimizer states) resumes at PP = 2 and DP = 1."""
+    from stages.trainer.megatron_backend import MegatronTrainer
+    from tests.distributed.test_megatron_dp import (
+        POLICY,
+        _assert_same_metrics,
+        _assert_same_weights,
+        _minibatches,
+        _published,
+    )
+
+    ray, model_dir = ray_session, model_dirs["untied"]
+    remote = ray.remote(MegatronTrainer).options(num_cpus=0)
+
+    def trainer(pp: int = 1, dp: int = 1, model: str = model_dir, optimizer_state: str | None = None):
+        return remote.remote(
+            model,
+            policy=POLICY,
+            compute_prox_log_prob=True,
+            pipeline_model_parallel_size=pp,
+            data_parallel_size=dp,
+            optimizer_state=optimizer_state,
+        )
+
+    one = trainer()
+    batch = _minibatches(one)
+    start, meta = _published(ray, one, tmp_path / "start.safetensors"), ray.get(one.weight_meta.remote())
+    first, second = ray.get(one.train_step.remote(batch)), ray.get(one.train_step.remote(batch))
+    end = _published(ray, one, tmp_path / "one.safetensors")
+    ray.kill(one)
+
+    grid = trainer(pp=2, dp=2)
+    assert ray.get(grid.weight_meta.remote()) == meta
+    _assert_same_weights(_published(ray, grid, tmp_path / "grid_start.safetensors"), start, atol=0)
+    prompts = [r for mb in batch for r in mb["prompt_ids"]]
+    responses = [r for mb in batch for r in mb["response_ids"]]
+    got = ray.get(grid.logprobs.remote(prompts, responses))  # each replica's last stage, back in the rows' order
+    want = [r for mb in batch for r in (np.asarray(x) + 0.2 for x in mb["ref_logprobs"])]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+    _assert_same_metrics(ray.get(grid.train_step.remote(batch)), first)
+    ray.get(grid.save_checkpoint.remote(str(tmp_path / "ckpt")))
+    ray.kill(grid)  # its peers end with it
+
+    ckpt = tmp_path / "ckpt"
+    resumed = trainer(pp=2, model=str(ckpt / "model"), optimizer_state=str(ckpt / "optimizer.pt"))
+    _assert_same_metrics(ray.get(resumed.train_step.remote(batch)), second)  # AdamW's moments came back too
+    _assert_same_weights(_published(ray, resumed, tmp_path / "resumed_end.safetensors"), end)
+    ray.kill(resumed)
