@@ -264,13 +264,14 @@ def check_moe(model_dir: Path) -> None:
 
 
 def check_megatron(cfg: RunConfig, model_dir: Path) -> None:
-    """The model must be one megatron_convert knows and TP must split its heads: said here, before Ray starts."""
+    """The model must be one megatron_convert knows, TP must split its heads and PP its layers: said here, before
+    Ray starts."""
     from stages.trainer.megatron_convert import ModelShape
 
     try:
-        ModelShape.from_hf(json.loads((model_dir / "config.json").read_text())).check_tp(
-            cfg.actor.megatron.tensor_model_parallel_size
-        )
+        shape = ModelShape.from_hf(json.loads((model_dir / "config.json").read_text()))
+        shape.check_tp(cfg.actor.megatron.tensor_model_parallel_size)
+        shape.check_pp(cfg.actor.megatron.pipeline_model_parallel_size)
     except ValueError as err:
         raise ConfigError(f"{err} (model: {model_dir})") from None
 

@@ -250,11 +250,7 @@ def _megatron_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
     mg, key = cfg.actor.megatron, "actor.megatron"
     return [
         (mg.tensor_model_parallel_size >= 1, f"{key}.tensor_model_parallel_size must be >= 1"),
-        (
-            mg.pipeline_model_parallel_size == 1,
-            f"{key}.pipeline_model_parallel_size must be 1: pipeline parallelism is not supported, use "
-            f"{key}.tensor_model_parallel_size",
-        ),
+        (mg.pipeline_model_parallel_size >= 1, f"{key}.pipeline_model_parallel_size must be >= 1"),
         (mg.export_bucket_mb >= 1, f"{key}.export_bucket_mb must be >= 1"),
         (
             cfg.trainer.backend != "megatron" or not cfg.algorithm.rollout_correction.active,

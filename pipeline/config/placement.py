@@ -127,8 +127,8 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
             1,
             trainer,
             {placement.trainer: ranks * SHARE} if placement.trainer else {},
-            "trainer.n_gpus_per_node, actor.megatron.tensor_model_parallel_size, actor.fsdp_config.fsdp_size, "
-            "ray.gpus_per_trainer_rank"
+            "trainer.n_gpus_per_node, actor.megatron.tensor_model_parallel_size, "
+            "actor.megatron.pipeline_model_parallel_size, actor.fsdp_config.fsdp_size, ray.gpus_per_trainer_rank"
             if ranks > 1 or trainer["GPU"]
             else "",
         ),

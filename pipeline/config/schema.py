@@ -108,7 +108,8 @@ class MegatronConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel ranks of trainer.backend=megatron (verl's key); must divide the model's kv heads."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel stages (verl's key); only 1 is supported."""
+    """Pipeline-parallel stages of trainer.backend=megatron (verl's key); must divide the model's layer count.
+    The trainer has tensor_model_parallel_size x pipeline_model_parallel_size ranks."""
     export_bucket_mb: int = 64
     """Weights leave the trainer gathered across TP ranks in buckets of about this many MiB of local shards."""
 

@@ -1,7 +1,7 @@
 """MegatronTrainer: the megatron-core trainer backend (`trainer.backend: megatron`).
 
 The driver talks to this one object (a Ray actor, like TorchTrainer) through the TrainerBackend calls. It is rank 0
-itself and starts the other `tensor_model_parallel_size x data_parallel_size - 1` ranks as Ray actors (`num_cpus=0`:
+itself and starts the other `TP x PP x DP - 1` ranks as Ray actors (`num_cpus=0`:
 two actors holding a CPU each deadlock a 2-core box, DESIGN.md §6), and makes every rank run each call in the same
 order, since the ranks' forward, backward, gradient reductions and weight gathers are collectives. The ranks form
 their own torch.distributed world on 127.0.0.1 (gloo on CPU, NCCL on GPU), and the weight sync to the engines uses a
@@ -10,11 +10,18 @@ second, private group (stages/trainer/weight_sync.py), so the two never collide.
 Data parallelism (DP = trainer ranks / TP): each mini-batch's rows are split across the model replicas balanced by
 token count (stages/trainer/balance.py, as the FSDP backend and verl do); every replica divides its loss by the
 whole mini-batch's counts and megatron's DDP sums the gradients, so DP = 2 trains what DP = 1 trains. The replicas'
-loss shares and token counts add up to the step's metrics. Pipeline parallelism is refused by the config check.
+loss shares and token counts add up to the step's metrics.
+
+Pipeline parallelism (PP = `pipeline_model_parallel_size`, stages/trainer/megatron_pipeline.py): each replica's
+layers are split over PP stages of TP ranks each; the stages' ranks get the same rows, the last stage computes the
+losses and logprobs, so a replica's results come from its last stage. Megatron orders the ranks tp-cp-ep-dp-pp:
+global rank r is TP rank r % TP of replica (r // TP) % DP in stage r // (TP x DP).
+
 Weights leave as HF names and layout (stages/trainer/megatron_convert.py), gathered across the first replica's TP
-ranks in buckets and streamed into the weight sync or the pull-mode safetensors file; the other replicas hold the
-same weights and skip it. A checkpoint holds the first replica's TP optimizer states (every replica's are the same
-on CPU), so it resumes at any DP size with the same TP.
+ranks in buckets, the later stages' buckets sent to rank 0, and streamed into the weight sync or the pull-mode
+safetensors file; the other replicas hold the same weights and skip it. A checkpoint holds the first replica's
+optimizer states, one per (stage, TP rank) (every replica's are the same on CPU), so it resumes at any DP size with
+the same TP and PP.
 """
 
 from __future__ import annotations
@@ -70,21 +77,21 @@ class MegatronTrainer:
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
     ) -> None:
-        """`data_parallel_size`: model replicas, each of `tensor_model_parallel_size` ranks. `gpus_per_rank`,
+        """`data_parallel_size`: model replicas, each of `tensor_model_parallel_size x pipeline_model_parallel_size`
+        ranks. `gpus_per_rank`,
         `rank_resources`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a GPU cluster; a share of
         the trainer nodes' custom resource, pipeline/config/placement.py)."""
-        if pipeline_model_parallel_size != 1:
-            raise ValueError("megatron.pipeline_model_parallel_size > 1 is not supported yet: use tensor parallelism")
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, not {data_parallel_size}")
         kwargs = dict(
             tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
             policy=policy or PolicySettings(),
             seed=seed,
             torch_threads=torch_threads,
         )
-        self.tp, self.dp = tensor_model_parallel_size, data_parallel_size
-        world, port = self.tp * self.dp, _free_port()
+        self.tp, self.pp, self.dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
+        world, port = self.tp * self.pp * self.dp, _free_port()
         self.peers = []
         if world > 1:
             import ray
@@ -108,14 +115,19 @@ class MegatronTrainer:
         """Run `method` on every rank with the same arguments; rank 0's result."""
         return self._each(method, lambda replica: args)[0]
 
+    def _replica(self, rank: int) -> int:
+        return rank // self.tp % self.dp
+
     def _each(self, method: str, args_of) -> list:
         """Run `method` on every rank with its replica's arguments, `args_of(dp_rank)`; every replica's result from
-        its first TP rank, in replica order. Peers first: they block in the first collective until rank 0 arrives."""
-        pending = [getattr(p, method).remote(*args_of((r + 1) // self.tp)) for r, p in enumerate(self.peers)]
+        the first TP rank of its last stage, in replica order. Peers first: they block in the first collective until
+        rank 0 arrives."""
+        pending = [getattr(p, method).remote(*args_of(self._replica(r))) for r, p in enumerate(self.peers, start=1)]
         # An error on rank 0 propagates at once: waiting for peers stuck in a collective would turn it into a hang.
         mine = getattr(self.rank, method)(*args_of(0))
         results = [mine, *_wait(pending)]
-        return results[:: self.tp]
+        last_stage = self.tp * self.dp * (self.pp - 1)
+        return results[last_stage :: self.tp][: self.dp]
 
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
@@ -192,7 +204,7 @@ class MegatronTrainer:
     # --- checkpoints -------------------------------------------------------------------------------------------
     def save_checkpoint(self, url: str) -> float:
         """`url`/model as an HF directory (what the engines and TorchTrainer load) and `url`/optimizer.pt holding
-        every TP rank's AdamW state, in rank order."""
+        the AdamW state of every (stage, TP rank) of the first replica, stage-major."""
         start = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp)
@@ -201,13 +213,11 @@ class MegatronTrainer:
             for f in self.model_dir.iterdir():  # config.json, tokenizer and any other side files
                 if f.is_file() and f.suffix not in (".safetensors", ".bin") and not f.name.endswith(".index.json"):
                     (local / "model" / f.name).write_bytes(f.read_bytes())
-            # The first replica's TP ranks: every replica holds the same state.
-            states = [
-                self.rank.optimizer_state(),
-                *_wait([p.optimizer_state.remote() for p in self.peers[: self.tp - 1]]),
-            ]
+            # The first replica's ranks: every replica holds the same state.
+            first = [r for r in range(1, self.tp * self.pp * self.dp) if self._replica(r) == 0]
+            states = [self.rank.optimizer_state(), *_wait([self.peers[r - 1].optimizer_state.remote() for r in first])]
             buf = io.BytesIO()
-            torch.save({"megatron_tp_states": states}, buf)
+            torch.save({"megatron_tp_states": states, "megatron_pp": self.pp}, buf)
             (local / "optimizer.pt").write_bytes(buf.getvalue())
             fs, root = fsspec.core.url_to_fs(url)
             for f in sorted(p for p in local.rglob("*") if p.is_file()):
@@ -219,11 +229,15 @@ class MegatronTrainer:
     def _load_optimizer(self, path: str) -> None:
         saved = torch.load(path, weights_only=True)
         states = saved.get("megatron_tp_states") if isinstance(saved, dict) else None
-        if states is None or len(states) != self.tp:
+        if states is None or len(states) != self.tp * self.pp or saved.get("megatron_pp", 1) != self.pp:
             raise ValueError(
-                f"{path} is not an optimizer state of a Megatron trainer with tensor_model_parallel_size={self.tp}: "
-                "resume with the backend and TP size the checkpoint was taken with (any data-parallel size)"
+                f"{path} is not an optimizer state of a Megatron trainer with tensor_model_parallel_size={self.tp} "
+                f"and pipeline_model_parallel_size={self.pp}: resume with the backend, TP and PP sizes the checkpoint "
+                "was taken with (any data-parallel size)"
             )
+
+        def state_of(rank: int) -> dict:  # stage-major: stage rank // (tp * dp), then TP rank rank % tp
+            return states[rank // (self.tp * self.dp) * self.tp + rank % self.tp]
+
         self.rank.load_optimizer_state(states[0])
-        # Global rank r is TP rank r % tp of its replica.
-        _wait([p.load_optimizer_state.remote(states[(r + 1) % self.tp]) for r, p in enumerate(self.peers)])
+        _wait([p.load_optimizer_state.remote(state_of(r)) for r, p in enumerate(self.peers, start=1)])

@@ -125,6 +125,20 @@ class ModelShape:
                 "trainer does not set up: use tensor_model_parallel_size=1 (or trainer.backend=torch)"
             )
 
+    def check_pp(self, pp: int) -> None:
+        """Each pipeline stage holds the same number of whole layers; MoE models stay on one stage."""
+        if pp < 1 or self.num_layers % pp:
+            raise ValueError(
+                f"megatron.pipeline_model_parallel_size={pp} must divide num_hidden_layers ({self.num_layers}) of "
+                f"the model; pick a divisor of {self.num_layers}."
+            )
+        if pp > 1 and self.is_moe:  # the dispatcher that runs without CUDA streams refuses variable lengths
+            raise ValueError(
+                f"megatron.pipeline_model_parallel_size={pp} with a MoE model is not supported: megatron-core's "
+                "allgather token dispatcher refuses the variable sequence lengths the stages exchange; use "
+                "pipeline_model_parallel_size=1"
+            )
+
 
 def _moe_fields(config: Mapping) -> dict:
     """Qwen3-MoE: q/k norms, and a MoE block on every `decoder_sparse_step`-th layer not in `mlp_only_layers`."""

@@ -1,8 +1,11 @@
-"""One rank of the Megatron trainer: a megatron-core GPTModel, its PPO step, its weight export.
+"""One rank of the Megatron trainer: a megatron-core GPTModel (or one pipeline stage of it), its PPO step, its
+weight export.
 
-The ranks form a TP x DP grid (megatron's order: the TP ranks of one model replica are consecutive). Every rank
-runs the same calls in the same order (SPMD); stages/trainer/megatron_backend.py makes sure of it and gives each
-data-parallel replica its share of the rows. The replicas' gradients are summed (megatron's DDP with
+The ranks form a TP x DP x PP grid in megatron's order (tp-cp-ep-dp-pp: the TP ranks of one stage of a model
+replica are consecutive, the pipeline stages the outermost). Every rank runs the same calls in the same order
+(SPMD); stages/trainer/megatron_backend.py makes sure of it and gives each data-parallel replica its share of the
+rows. Pipeline stages, megatron's schedule and the export across stages: stages/trainer/megatron_pipeline.py and
+stages/trainer/megatron_export.py. The replicas' gradients are summed (megatron's DDP with
 `calculate_per_token_loss`, so it does not divide by DP): each share's loss is already divided by the whole
 mini-batch's counts, so the sum is the single-replica gradient.
 
@@ -11,20 +14,23 @@ GQA, qkv bias for Qwen2) with megatron-core's local layer spec, and its weights 
 this rank (stages/trainer/megatron_convert.py), so training starts from exactly the weights the engines serve.
 
 On CPU megatron-core trains with three shims (DESIGN.md §4): `torch.cuda.current_device` answers "cpu", an RNG
-tracker that does not fork CUDA states, and an explicit bool causal mask. Its schedules and optimizer hard-code
-CUDA, so the step is written by hand: forward/backward per micro-batch, `finish_grad_sync`, `main_grad` -> `grad`,
-a TP-aware grad-norm clip, torch AdamW. A Qwen3-MoE model and routing replay: stages/trainer/megatron_moe.py.
-The objective and metrics are TorchTrainer's (stages/trainer/step.py);
-the entropy of the vocabulary-parallel logits all-reduces its max and two sums over the TP group. The CUDA path
-(`get_forward_backward_func` and megatron's distributed optimizer) is written but unverified.
+tracker that does not fork CUDA states, and an explicit bool causal mask. Its optimizer hard-codes CUDA, so the
+update is written by hand: `finish_grad_sync`, `main_grad` -> `grad`, a TP- and PP-aware grad-norm clip, torch
+AdamW. At PP = 1 the micro-batches' forward/backward are a plain loop; at PP > 1 megatron's own schedule drives
+them (three more shims, stages/trainer/megatron_pipeline.py). A Qwen3-MoE model and routing replay:
+stages/trainer/megatron_moe.py. The objective and metrics are TorchTrainer's (stages/trainer/step.py); the entropy
+of the vocabulary-parallel logits all-reduces its max and two sums over the TP group. The CUDA path (megatron's
+schedule at any PP and its distributed optimizer) is written but unverified.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,8 +39,10 @@ import torch
 import torch.distributed as dist
 
 from stages.trainer.loss import AggCounts, TokenForward, entropy_from_logits
-from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, merge, shard, shard_dim, to_hf
+from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, shard
+from stages.trainer.megatron_export import ModelExport
 from stages.trainer.megatron_moe import MegatronRouteReplay, layer_spec, moe_config
+from stages.trainer.megatron_pipeline import Stage, cpu_build, scheduled_logprobs, scheduled_update
 from stages.trainer.settings import PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
 
@@ -44,6 +52,7 @@ def _cpu_shims() -> None:
     from megatron.core import tensor_parallel
 
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None  # the pipeline's p2p calls it (megatron_pipeline.py)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
@@ -58,6 +67,17 @@ def _load_hf(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
+@dataclass
+class Inputs:
+    """One micro-batch's model inputs: (B, S) token ids right-padded, their positions, the causal mask."""
+
+    prompts: list
+    responses: list
+    ids: torch.Tensor
+    positions: torch.Tensor
+    causal: torch.Tensor
+
+
 class MegatronRank:
     def __init__(
         self,
@@ -66,6 +86,7 @@ class MegatronRank:
         world_size: int,
         port: int,
         tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
         policy: PolicySettings | None = None,
         seed: int = 0,
         torch_threads: int = 1,
@@ -85,13 +106,18 @@ class MegatronRank:
             world_size=world_size,
             timeout=timedelta(seconds=600),
         )
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size, 1)
-        self.tp, self.tp_rank = tensor_model_parallel_size, parallel_state.get_tensor_model_parallel_rank()
+        tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+        parallel_state.initialize_model_parallel(tp, pp)
+        self.tp, self.tp_rank = tp, parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.mp_group = parallel_state.get_model_parallel_group()  # TP x PP: one replica's whole model
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.model_dir = Path(model_dir)
         self.shape = ModelShape.from_hf(json.loads((self.model_dir / "config.json").read_text()))
-        self.shape.check_tp(self.tp)
+        self.shape.check_tp(tp)
+        self.shape.check_pp(pp)
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.stage = Stage(pp_rank, pp, self.shape.num_layers, self.shape.tied_embeddings)
         self.policy = policy or PolicySettings()
         self.model = self._build(seed)
         self._load()
@@ -99,6 +125,9 @@ class MegatronRank:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = self._optimizer()
         self.pad = json.loads((self.model_dir / "config.json").read_text()).get("pad_token_id") or 0
+        exported = [(self.stage.global_name(n), p) for n, p in self.named_params() if not self.stage.is_tied_copy(n)]
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.weights = ModelExport(exported, self.shape, self.stage, tp, self.tp_rank, self.tp_group, pp_group)
 
     def _build(self, seed: int):
         from megatron.core import tensor_parallel
@@ -129,23 +158,32 @@ class MegatronRank:
             persist_layer_norm=False,
             gradient_accumulation_fusion=False,
             tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.stage.size,
+            pipeline_dtype=torch.float32,
+            # The stages exchange each micro-batch's shape: micro-batches are padded only to their own width.
+            variable_seq_lengths=self.stage.size > 1,
             # DDP sums the replicas' gradients instead of averaging them: the loss is already a mini-batch mean
             calculate_per_token_loss=True,
             params_dtype=torch.float32,
             use_cpu_initialization=True,
             **moe_config(s, replay=self.policy.router_replay.active),
+            # Unused by a dense model (PP > 1 is dense only), but the default, allgather, refuses variable lengths.
+            **({"moe_token_dispatcher_type": "alltoall"} if self.stage.size > 1 else {}),
         )
         if self.cuda:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        model = GPTModel(
-            config,
-            layer_spec(config, s),
-            vocab_size=s.padded_vocab(self.tp),
-            max_sequence_length=s.max_positions,
-            share_embeddings_and_output_weights=s.tied_embeddings,
-            position_embedding_type="rope",
-            rotary_base=s.rope_theta,
-        ).to(self.device)
+        with cpu_build(self.cuda):
+            model = GPTModel(
+                config,
+                layer_spec(config, s),
+                vocab_size=s.padded_vocab(self.tp),
+                max_sequence_length=s.max_positions,
+                pre_process=self.stage.first,
+                post_process=self.stage.last,
+                share_embeddings_and_output_weights=s.tied_embeddings,
+                position_embedding_type="rope",
+                rotary_base=s.rope_theta,
+            ).to(self.device)
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=self.cuda)
         return DistributedDataParallel(config, ddp, model)
 
@@ -169,25 +207,32 @@ class MegatronRank:
         )
         return get_megatron_optimizer(config, [self.model])
 
+    def named_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This stage's parameters under their names in its GPTModel (layer indices from 0 on every stage)."""
+        return self.model.module.named_parameters()
+
     @torch.no_grad()
     def _load(self) -> None:
-        """This rank's shard of every Megatron parameter, from the HF safetensors."""
+        """This rank's shard of every Megatron parameter of its stage, from the HF safetensors."""
         full = hf_to_megatron(_load_hf(self.model_dir), self.shape)
-        params = dict(self.model.module.named_parameters())
-        missing = sorted(set(params) ^ set(full))
+        names = {self.stage.global_name(n) for n, _ in self.named_params() if not self.stage.is_tied_copy(n)}
+        missing = sorted(names ^ {n for n in full if self.stage.holds(n)})
         if missing:
             raise KeyError(f"HF -> Megatron names do not match the model: {missing[:4]}")
-        for name, param in params.items():
-            param.copy_(shard(name, full[name], self.tp_rank, self.tp, self.shape))
+        for local, param in self.named_params():
+            name = self.stage.global_name(local)  # a tied copy loads the embedding, sharded as the output layer
+            param.copy_(shard(local, full[name], self.tp_rank, self.tp, self.shape))
 
     # --- forward -------------------------------------------------------------------------------------------------
     def _token_logprobs(
         self, prompts: list, responses: list, entropy: bool = False, routes: torch.Tensor | None = None
     ) -> TokenForward:
         """Logprob of each response token (B, T) and, when asked, its entropy: TorchTrainer's contract, routes
-        to replay included."""
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        to replay included (one stage: PP = 1)."""
+        batch = self.inputs(prompts, responses)
+        return self.read_logits(self.stage_forward(batch, routes), batch, entropy)
 
+    def inputs(self, prompts: list, responses: list) -> Inputs:
         seqs = [np.concatenate([p, r]).astype(np.int64) for p, r in zip(prompts, responses, strict=True)]
         width_s = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width_s), self.pad, dtype=torch.long)  # (B, S), right-padded
@@ -197,10 +242,21 @@ class MegatronRank:
         positions = torch.arange(width_s, device=self.device).expand_as(ids)
         # True = masked out; right padding needs no more than causality for the positions we read.
         causal = torch.triu(torch.ones(width_s, width_s, dtype=torch.bool, device=self.device), 1)[None, None]
+        return Inputs(prompts, responses, ids, positions, causal)
+
+    def stage_forward(self, batch: Inputs, routes: torch.Tensor | None) -> torch.Tensor:
+        """This stage's output: the logits (B, S, V_padded / tp) on the last stage, hidden states on the others
+        (whose input megatron's schedule has set)."""
         if routes is not None and self.replay is None:
             raise ValueError("routes given to a trainer built without actor.router_replay")
         with self.replay.forcing(routes) if self.replay else contextlib.nullcontext():
-            logits = self.model(ids, positions, causal)  # (B, S, V_padded / tp)
+            return self.model(batch.ids, batch.positions, batch.causal)
+
+    def read_logits(self, logits: torch.Tensor, batch: Inputs, entropy: bool = False) -> TokenForward:
+        """The response tokens' logprobs (B, T), and their entropy when asked, from the last stage's logits."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        prompts, responses, ids = batch.prompts, batch.responses, batch.ids
         local_vocab = logits.shape[-1]
         vocab_ids = torch.arange(local_vocab, device=self.device) + self.tp_rank * local_vocab
         logits = logits.float().masked_fill(vocab_ids >= self.shape.vocab_size, float("-inf"))  # padding rows
@@ -208,9 +264,9 @@ class MegatronRank:
         token_ent = self._entropy(logits) if entropy else None  # (B, S); first: the cross entropy works in place
         token_logp = -vocab_parallel_cross_entropy(logits, targets)  # (B, S)
         width = max((len(r) for r in responses), default=0)
-        logp = torch.zeros(len(seqs), width, device=self.device)
-        mask = torch.zeros(len(seqs), width, device=self.device)
-        ent = torch.zeros(len(seqs), width, device=self.device) if entropy else None
+        logp = torch.zeros(len(responses), width, device=self.device)
+        mask = torch.zeros(len(responses), width, device=self.device)
+        ent = torch.zeros(len(responses), width, device=self.device) if entropy else None
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             start = len(p) - 1
             logp[i, : len(r)] = token_logp[i, start : start + len(r)]
@@ -237,7 +293,10 @@ class MegatronRank:
         return entropy_from_logits(logits, grad=self.policy.entropy_coeff != 0, **parallel)
 
     @torch.no_grad()
-    def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:
+    def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]] | None:
+        """Each response's token logprobs; at PP > 1 on the last stage, None on the others."""
+        if self.stage.size > 1:
+            return scheduled_logprobs(self, prompts, responses)
         return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size, routes)
 
     # --- training ------------------------------------------------------------------------------------------------
@@ -252,7 +311,8 @@ class MegatronRank:
         aggregation counts (every replica divides by them). Returns the sums StepTotals.add_rank adds up."""
         totals = StepTotals(self.policy)
         anchors = [self._anchor(mb) if recompute else None for mb in minibatches]
-        update = self._update_cuda if self.cuda else self._update
+        cpu_loop = not self.cuda and self.stage.size == 1
+        update = self._update if cpu_loop else functools.partial(scheduled_update, self)
         for i, (rows, anchor) in enumerate(zip(minibatches, anchors, strict=True)):
             update(Minibatch.of(rows, self.policy, anchor, counts=counts[i] if counts else None), totals)
         return totals
@@ -265,13 +325,26 @@ class MegatronRank:
         return self.logprobs(rows["prompt_ids"], rows["response_ids"], routes)
 
     def _update(self, mb: Minibatch, totals: StepTotals) -> None:
+        """The CPU update at PP = 1: the micro-batches' forward/backward in a plain loop."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         for sl in mb.slices(self.policy.micro_batch_size):
             res = mb.loss(self._token_logprobs, sl, self.policy, self.device)
             res.total.backward()
             totals.add_micro(res)
+        self.step(totals)
+
+    def step(self, totals: StepTotals) -> None:
+        """Reduce the accumulated gradients and step: megatron's optimizer on GPU, torch AdamW on CPU."""
+        from megatron.core.distributed.finalize_model_grads import _allreduce_word_embedding_grads
+
         self.model.finish_grad_sync()  # DP all-reduce of the grad buffers (a no-op copy at DP=1)
+        # PP > 1 with a tied embedding: the first stage's and the last stage's copy get the sum of both gradients.
+        _allreduce_word_embedding_grads([self.model], self.model.config)
+        if self.cuda:
+            _, grad_norm, _ = self.optimizer.step()
+            totals.add_update(float(grad_norm or 0.0))
+            return
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype)
         grad_norm = self._clip_grads()
@@ -279,47 +352,15 @@ class MegatronRank:
             self.optimizer.step()  # as verl: an update whose gradient overflowed is skipped
         totals.add_update(grad_norm)
 
-    def _update_cuda(self, mb: Minibatch, totals: StepTotals) -> None:
-        """Unverified here (no GPU): megatron's schedule drives the micro-batches, its optimizer clips and steps."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        slices = mb.slices(self.policy.micro_batch_size)
-
-        def forward_step(data_iterator, model):
-            sl = next(data_iterator)
-
-            def loss_func(forward: TokenForward):
-                res = mb.loss(lambda *_, **__: forward, sl, self.policy, self.device)
-                totals.add_micro(res)
-                # The schedule divides by the micro-batch count; ours is already the mini-batch's share.
-                return res.total * len(slices), {}
-
-            rows, replay = mb.rows, mb.replay_kwargs(sl, self.policy)
-            forward = self._token_logprobs(rows["prompt_ids"][sl], rows["response_ids"][sl], entropy=True, **replay)
-            return forward, loss_func
-
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(slices),
-            model=[self.model],
-            num_microbatches=len(slices),
-            seq_length=0,  # only pipeline parallelism reads these
-            micro_batch_size=self.policy.micro_batch_size,
-            forward_only=False,
-        )
-        self.model.finish_grad_sync()  # the schedule leaves the DP reduction to finalize_model_grads, unset here
-        _, grad_norm, _ = self.optimizer.step()
-        totals.add_update(float(grad_norm or 0.0))
-
     def _clip_grads(self) -> float:
-        """torch's clip_grad_norm_ over the whole model: TP shards count once each, replicated params once."""
+        """torch's clip_grad_norm_ over the whole model: TP shards count once each, replicated params once, a tied
+        embedding's copy on the last stage not at all."""
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.params:
-            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+            counted = getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0
+            if counted and not getattr(p, "shared", False):
                 squares += p.grad.double().pow(2).sum()
-        dist.all_reduce(squares, group=self.tp_group)
+        dist.all_reduce(squares, group=self.mp_group)
         norm = float(squares.sqrt())
         coef = self.policy.grad_clip / (norm + 1e-6)
         if coef < 1.0:
@@ -329,71 +370,27 @@ class MegatronRank:
 
     # --- export --------------------------------------------------------------------------------------------------
     def hf_meta(self) -> dict[str, list]:
-        """Names, shapes and dtypes of `export()`'s tensors, without moving any weight."""
-        names, shapes, dtypes = [], [], []
-        for name, param in self.model.module.named_parameters():
-            full_shape = list(param.shape)
-            dim = shard_dim(name)
-            if dim is not None:
-                full_shape[dim] *= self.tp
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                full_shape[0] = self.shape.vocab_size
-            for hf_name, t in to_hf(name, torch.empty(full_shape, device="meta"), self.shape):
-                names.append(hf_name)
-                shapes.append(list(t.shape))
-                dtypes.append(str(param.dtype).removeprefix("torch."))
-        return {"names": names, "shapes": shapes, "dtypes": dtypes}
+        """Names, shapes and dtypes of `export()`'s tensors (the whole model's), without moving any weight."""
+        return self.weights.meta()
 
-    @torch.no_grad()
     def export(self, bucket_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors, gathered across TP one bucket at a time (one all_gather per bucket).
-
-        Every rank must drain this generator (the gathers are collectives); only rank 0's output is used. At most
-        one bucket's shards from every rank are held at once: never a second copy of the model.
-        """
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, param in self.model.module.named_parameters():
-            bucket.append((name, param))
-            size += param.numel() * param.element_size()
-            if size >= bucket_bytes:
-                yield from self._gather_bucket(bucket)
-                bucket, size = [], 0
-        if bucket:
-            yield from self._gather_bucket(bucket)
-
-    def _gather_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.tp == 1:
-            for name, param in bucket:
-                yield from to_hf(name, merge(name, [param.detach()], self.shape), self.shape)
-            return
-        flat = torch.cat([p.detach().reshape(-1) for _, p in bucket])
-        gathered = [torch.empty_like(flat) for _ in range(self.tp)]
-        dist.all_gather(gathered, flat, group=self.tp_group)
-        offset = 0
-        for name, param in bucket:
-            n = param.numel()
-            if shard_dim(name) is None:  # replicated: every rank holds the same values
-                shards = [param.detach()]
-            else:
-                shards = [g[offset : offset + n].view_as(param) for g in gathered]
-            offset += n
-            yield from to_hf(name, merge(name, shards, self.shape), self.shape)
+        """The whole model's HF-named tensors on rank 0 (stages/trainer/megatron_export.py). Every rank of the
+        first replica must drain this generator (its gathers and sends are collectives)."""
+        return self.weights.stream(bucket_bytes)
 
     def drain_export(self, bucket_bytes: int = 64 << 20) -> int:
-        """A non-zero rank's part of an export: take part in every gather, keep nothing. The other data-parallel
-        replicas hold the same weights and their own TP groups: they have no part in it."""
+        """A non-zero rank's part of an export: take part in every gather and send, keep nothing. The other
+        data-parallel replicas hold the same weights: they have no part in it."""
         return sum(1 for _ in self.export(bucket_bytes)) if self.dp_rank == 0 else 0
 
     @torch.no_grad()
     def fill_hf(self, hf_name: str, value: float) -> None:
-        """Fill the Megatron parameter that exports as `hf_name` alone (not a fused one) with a constant (tests)."""
-        for name, param in self.model.module.named_parameters():
-            fused = name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight"))
-            if not fused and hf_name in [n for n, _ in to_hf(name, param, self.shape)]:
+        """Fill the Megatron parameter that exports as `hf_name` alone (not a fused one) with a constant (tests),
+        on whichever stage holds it (both copies of a tied embedding)."""
+        source = self.weights.source(hf_name)
+        for local, param in self.named_params():
+            if self.stage.global_name(local) == source:
                 param.fill_(value)
-                return
-        raise KeyError(f"no unfused Megatron parameter exports as {hf_name}")
 
     def optimizer_state(self) -> dict:
         return self.optimizer.state_dict()

@@ -24,7 +24,7 @@ def test_a_typo_in_the_megatron_section_names_the_nearest_key():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("actor.megatron.pipeline_model_parallel_size=2", "pipeline parallelism is not supported"),
+        ("actor.megatron.pipeline_model_parallel_size=0", "pipeline_model_parallel_size must be >= 1"),
         ("actor.megatron.tensor_model_parallel_size=0", "tensor_model_parallel_size must be >= 1"),
         ("weight_sync.backend=rdma", r"weight_sync.backend': Invalid value 'rdma', expected one of \['gloo'"),
     ],

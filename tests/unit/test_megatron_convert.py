@@ -140,6 +140,38 @@ def test_prepare_refuses_a_tp_the_model_cannot_take(tmp_path):
         check_megatron(cfg, tmp_path)
 
 
+def test_prepare_refuses_a_pp_that_does_not_split_the_layers(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.prepare import check_megatron
+
+    build_model(tmp_path, vocab_size=291, seed=0)  # 2 layers
+    check_megatron(
+        load_config(None, ["trainer.backend=megatron", "actor.megatron.pipeline_model_parallel_size=2"]), tmp_path
+    )
+    cfg = load_config(None, ["trainer.backend=megatron", "actor.megatron.pipeline_model_parallel_size=3"])
+    with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size=3 must divide num_hidden_layers \(2\)"):
+        check_megatron(cfg, tmp_path)
+    moe = _shape(num_experts=4, moe_ffn_hidden_size=32, moe_topk=2, moe_layers=(0, 1))
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2 with a MoE model is not supported"):
+        moe.check_pp(2)
+
+
+def test_a_pipeline_stage_names_its_layers_by_their_global_index():
+    from stages.trainer.megatron_pipeline import Stage
+
+    first, last = Stage(0, 2, 4, tied_embeddings=True), Stage(1, 2, 4, tied_embeddings=True)
+    assert first.global_name("decoder.layers.1.mlp.linear_fc2.weight") == "decoder.layers.1.mlp.linear_fc2.weight"
+    assert last.global_name("decoder.layers.1.mlp.linear_fc2.weight") == "decoder.layers.3.mlp.linear_fc2.weight"
+    assert last.is_tied_copy("output_layer.weight") and not first.is_tied_copy("output_layer.weight")
+    assert last.global_name("output_layer.weight") == "embedding.word_embeddings.weight"
+    assert not Stage(1, 2, 4, tied_embeddings=False).is_tied_copy("output_layer.weight")
+    holds = {name: (first.holds(name), last.holds(name)) for name in (
+        "embedding.word_embeddings.weight", "decoder.layers.1.input_layernorm.weight",
+        "decoder.layers.2.input_layernorm.weight", "decoder.final_layernorm.weight", "output_layer.weight",
+    )}  # fmt: skip
+    assert list(holds.values()) == [(True, False), (True, False), (False, True), (False, True), (False, True)]
+
+
 @pytest.mark.parametrize(
     ("overrides", "moe_layers"),
     [({}, (0, 1)), ({"mlp_only_layers": [0]}, (1,)), ({"decoder_sparse_step": 2}, (1,))],

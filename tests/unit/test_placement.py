@@ -89,11 +89,12 @@ def test_gpus_are_counted_on_the_rollout_nodes():
     assert "ray.gpus_per_engine" in message
 
 
-@pytest.mark.parametrize("tp, fits", [(4, True), (8, False)])
-def test_a_megatron_tp_group_must_fit_on_one_trainer_node(tp, fits):
-    # 8 trainer GPUs in all, 4 per node: TP=8 cannot be packed on one node although the sum would do
+@pytest.mark.parametrize("tp, pp, fits", [(4, 1, True), (8, 1, False), (2, 2, True), (4, 2, False)])
+def test_a_megatron_tp_group_must_fit_on_one_trainer_node(tp, pp, fits):
+    # 8 trainer GPUs in all, 4 per node: TP x PP = 8 cannot be packed on one node although the sum would do
     nodes = [HEAD_NODE, *[{"CPU": 32.0, "GPU": 4.0, "trainer": 1.0}] * 2, {"CPU": 32.0, "GPU": 8.0, "rollout": 1.0}]
-    cfg = cfg_of("trainer.backend=megatron", f"actor.megatron.tensor_model_parallel_size={tp}")
+    sizes = [f"actor.megatron.tensor_model_parallel_size={tp}", f"actor.megatron.pipeline_model_parallel_size={pp}"]
+    cfg = cfg_of("trainer.backend=megatron", *sizes)
     message = problem(cfg, nodes)
     if fits:
         assert message is None

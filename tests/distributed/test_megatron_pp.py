@@ -1,0 +1,183 @@
+"""Pipeline parallelism changes nothing but the layout: PP = 2 (and TP = 2 x PP = 2) over gloo exports exactly the
+HF tensors the model was loaded from and trains with PP = 1's logprobs, losses and grad norms, through megatron's
+own 1F1B schedule on CPU.
+
+Each layout runs as real processes on 127.0.0.1 (torch.multiprocessing, spawn), each rank a MegatronRank built
+from the embedded model's HF directory (2 layers: one per stage), untied as built and tied (the same weights with
+`tie_word_embeddings` and no lm_head), where the last stage holds a copy of the embedding that megatron keeps
+equal through the embedding group. Rank 0 (the first stage) exports the whole model; the last stage computes the
+logprobs and the losses. Tolerances as tests/distributed/test_megatron_tp.py: 1e-5 relative on losses and grad
+norms, 1e-5 absolute on logprobs, 1e-4 absolute on the weights after the steps.
+"""
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pipeline.tasks.embedded import build_embedded
+from stages.trainer.settings import PolicySettings
+from tests.distributed.test_megatron_tp import POLICY, STEPS, TOL, _minibatch
+
+LAYOUTS = {"untied": [(1, 1), (1, 2), (2, 2)], "tied": [(1, 1), (1, 2)]}  # (TP, PP)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _export(trainer) -> dict[str, np.ndarray]:
+    return {name: t.numpy().copy() for name, t in trainer.export(bucket_bytes=64 << 10)}
+
+
+def _rank(rank: int, tp: int, pp: int, port: int, model_dir: str, policy: PolicySettings, queue) -> None:
+    from stages.trainer.megatron_rank import MegatronRank
+
+    world = tp * pp
+    trainer = MegatronRank(
+        model_dir, rank, world, port, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, policy=policy
+    )
+    mb = _minibatch()
+    start, meta = _export(trainer), trainer.hf_meta()
+    logprobs = trainer.logprobs(mb["prompt_ids"], mb["response_ids"])
+    last = rank >= tp * (pp - 1)  # the last stage's ranks: the other stages have no logprobs and compute no loss
+    mb["response_logprobs"] = logprobs if last else [[0.0] * len(r) for r in mb["response_ids"]]
+    steps = [trainer.train_step([mb]) for _ in range(STEPS)]
+    end = _export(trainer)
+    if rank == 0:
+        queue.put(("export", {"start": start, "end": end, "meta": meta}))
+    if rank == tp * (pp - 1):
+        queue.put(("losses", {"logprobs": logprobs, "steps": steps}))
+
+
+def _train(tp: int, pp: int, model_dir: str, policy: PolicySettings = POLICY) -> dict:
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, tp, pp, port, model_dir, policy, queue)) for r in range(tp * pp)]
+    for p in procs:
+        p.start()
+    result = dict(queue.get(timeout=300) for _ in range(2))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return result["export"] | result["losses"]
+
+
+def _tie(model_dir, out) -> str:
+    """The same model with a tied embedding: config.json says so and the safetensors lose lm_head."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    config = json.loads((model_dir / "config.json").read_text()) | {"tie_word_embeddings": True}
+    (out / "config.json").write_text(json.dumps(config))
+    weights = load_file(model_dir / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, out / "model.safetensors")
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("pp")
+    untied = build_embedded(root, 10, seed=3).model_dir
+    return {"untied": str(untied), "tied": _tie(untied, root / "tied")}
+
+
+@pytest.fixture(scope="module")
+def runs(model_dirs):
+    dirs = model_dirs
+    return dirs, {(kind, tp, pp): _train(tp, pp, dirs[kind]) for kind, layouts in LAYOUTS.items() for tp, pp in layouts}
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_export_of_the_loaded_model_is_its_hf_weights(runs, kind):
+    from safetensors.torch import load_file
+
+    dirs, results = runs
+    hf = load_file(f"{dirs[kind]}/model.safetensors")
+    if kind == "tied":  # vLLM keeps its own head: the export sends it too (DESIGN.md §6)
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    for tp, pp in LAYOUTS[kind]:
+        got = results[(kind, tp, pp)]
+        assert got["meta"] == results[(kind, 1, 1)]["meta"]  # names, full shapes and order of PP = 1
+        assert list(got["start"]) == got["meta"]["names"]
+        assert set(got["start"]) == set(hf)
+        for name, tensor in hf.items():
+            assert torch.equal(torch.from_numpy(got["start"][name]), tensor), (kind, tp, pp, name)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_pp2_trains_with_the_losses_of_pp1(runs, kind):
+    _, results = runs
+    one = results[(kind, 1, 1)]
+    assert len({s["actor/pg_loss"] for s in one["steps"]}) > 1  # the steps really changed the weights
+    for tp, pp in LAYOUTS[kind][1:]:
+        other = results[(kind, tp, pp)]
+        np.testing.assert_allclose(
+            [x for r in one["logprobs"] for x in r], [x for r in other["logprobs"] for x in r], rtol=0, atol=TOL
+        )
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "train/ratio_mean"):
+            a = [s[key] for s in one["steps"]]
+            b = [s[key] for s in other["steps"]]
+            print(kind, key, "PP=1", a, f"TP={tp} PP={pp}", b)
+            np.testing.assert_allclose(a, b, rtol=TOL, atol=1e-7)
+        for name in one["end"]:
+            np.testing.assert_allclose(one["end"][name], other["end"][name], rtol=0, atol=10 * TOL, err_msg=name)
+            assert not np.array_equal(one["end"][name], one["start"][name]) or "norm" in name
+
+
+def test_the_backend_at_pp2_dp2_trains_exports_and_resumes_as_pp1(ray_session, model_dirs, tmp_path):
+    """MegatronTrainer (rank 0 a Ray actor starting its peers, as in a run) with PP = 2 x DP = 2: each replica's
+    results come from its last stage, the export from rank 0, and its checkpoint (the first replica's two stages'
+    optimizer states) resumes at PP = 2 and DP = 1."""
+    from stages.trainer.megatron_backend import MegatronTrainer
+    from tests.distributed.test_megatron_dp import (
+        POLICY,
+        _assert_same_metrics,
+        _assert_same_weights,
+        _minibatches,
+        _published,
+    )
+
+    ray, model_dir = ray_session, model_dirs["untied"]
+    remote = ray.remote(MegatronTrainer).options(num_cpus=0)
+
+    def trainer(pp: int = 1, dp: int = 1, model: str = model_dir, optimizer_state: str | None = None):
+        return remote.remote(
+            model,
+            policy=POLICY,
+            compute_prox_log_prob=True,
+            pipeline_model_parallel_size=pp,
+            data_parallel_size=dp,
+            optimizer_state=optimizer_state,
+        )
+
+    one = trainer()
+    batch = _minibatches(one)
+    start, meta = _published(ray, one, tmp_path / "start.safetensors"), ray.get(one.weight_meta.remote())
+    first, second = ray.get(one.train_step.remote(batch)), ray.get(one.train_step.remote(batch))
+    end = _published(ray, one, tmp_path / "one.safetensors")
+    ray.kill(one)
+
+    grid = trainer(pp=2, dp=2)
+    assert ray.get(grid.weight_meta.remote()) == meta
+    _assert_same_weights(_published(ray, grid, tmp_path / "grid_start.safetensors"), start, atol=0)
+    prompts = [r for mb in batch for r in mb["prompt_ids"]]
+    responses = [r for mb in batch for r in mb["response_ids"]]
+    got = ray.get(grid.logprobs.remote(prompts, responses))  # each replica's last stage, back in the rows' order
+    want = [r for mb in batch for r in (np.asarray(x) + 0.2 for x in mb["ref_logprobs"])]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+    _assert_same_metrics(ray.get(grid.train_step.remote(batch)), first)
+    ray.get(grid.save_checkpoint.remote(str(tmp_path / "ckpt")))
+    ray.kill(grid)  # its peers end with it
+
+    ckpt = tmp_path / "ckpt"
+    resumed = trainer(pp=2, model=str(ckpt / "model"), optimizer_state=str(ckpt / "optimizer.pt"))
+    _assert_same_metrics(ray.get(resumed.train_step.remote(batch)), second)  # AdamW's moments came back too
+    _assert_same_weights(_published(ray, resumed, tmp_path / "resumed_end.safetensors"), end)
+    ray.kill(resumed)
