@@ -19,8 +19,10 @@ class SimTrainer:
         self.work = Workload(**sim)
 
     def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
-        start = time.monotonic()
+        # The rows are fetched before the clock starts: train_s is the modelled compute only (the closed forms the
+        # tests check), while the fetch shows in the step's elapsed time, as the stream's other hand-offs do.
         minibatches = rows_of(minibatches)
+        start = time.monotonic()
         units = sum(len(ids) for mb in minibatches for ids in mb["response_ids"])
         tokens = units * self.work.token_unit
         time.sleep(self.work.train_s(tokens, len(minibatches)) * self.work.time_scale)
