@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from stages.trainer.route_tally import RouteTally
 from stages.trainer.step import NO_ROUTE
 
 ROUTERS = {"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter"}
@@ -50,8 +51,7 @@ class HFRouterReplay:
         self.top_k = self.routers[0].top_k
         self.num_experts = self.routers[0].num_experts
         self._routes: torch.Tensor | None = None  # (B * S, layers, k), NO_ROUTE where the router picks
-        self._maps: tuple[torch.Tensor, torch.Tensor] | None = None  # replayed, changed layers per token (B * S,)
-        self._shape = (0, 0)
+        self._tally: RouteTally | None = None  # the last `forcing` block's counts
         for layer, router in enumerate(self.routers):
             router.forward = self._forward_of(router, layer)
 
@@ -59,7 +59,7 @@ class HFRouterReplay:
     def forcing(self, routes: torch.Tensor | None) -> Iterator[None]:
         """Within the block, forward passes replay `routes` (B, S, layers * k) and count into replayed/changed and
         `maps()` (reset here); None leaves the routers alone."""
-        self._maps = None
+        self._tally = None
         if routes is None:
             yield
             return
@@ -72,8 +72,7 @@ class HFRouterReplay:
         if routes.numel() and int(routes.max()) >= self.num_experts:
             raise ValueError(f"routed_experts names expert {int(routes.max())}; the model has {self.num_experts}")
         self._routes = routes.reshape(-1, layers, k)
-        self._shape = tuple(routes.shape[:2])
-        self._maps = (torch.zeros(self._routes.shape[0]), torch.zeros(self._routes.shape[0]))
+        self._tally = RouteTally(*routes.shape[:2], seq_major=False)
         try:
             yield
         finally:
@@ -103,21 +102,19 @@ class HFRouterReplay:
             raise ValueError(f"routes cover {forced.shape[0]} tokens, the forward pass has {own.shape[0]}")
         given = forced[:, 0] != NO_ROUTE
         ids = torch.where(given[:, None], forced, own)
-        differs = (ids.sort(-1).values != own.sort(-1).values).any(-1) & given
-        self._maps[0].add_(given.float().cpu())
-        self._maps[1].add_(differs.float().cpu())
+        self._tally.add(given, ids, own)
         return ids
 
     @property
     def replayed(self) -> float:
         """(token, MoE layer) pairs replayed in the last `forcing` block."""
-        return 0.0 if self._maps is None else float(self._maps[0].sum())
+        return 0.0 if self._tally is None else self._tally.replayed
 
     @property
     def changed(self) -> float:
         """Of them, those whose experts differ from the router's own top-k."""
-        return 0.0 if self._maps is None else float(self._maps[1].sum())
+        return 0.0 if self._tally is None else self._tally.changed
 
     def maps(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(B, S) MoE layers replayed and changed per token in the last `forcing` block (None without routes)."""
-        return None if self._maps is None else (self._maps[0].view(self._shape), self._maps[1].view(self._shape))
+        return None if self._tally is None else self._tally.maps()

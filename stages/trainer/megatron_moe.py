@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch
 
 from stages.trainer.megatron_convert import ModelShape
+from stages.trainer.route_tally import RouteTally
 from stages.trainer.step import NO_ROUTE
 
 
@@ -81,8 +82,7 @@ class MegatronRouteReplay:
         if [r.router_replay for r in self.routers] != RouterReplay.global_router_replay_instances:
             raise RuntimeError("RouterReplay's instances are not this model's routers: build one MoE model at a time")
         self.shape = shape
-        self._maps: tuple[torch.Tensor, torch.Tensor] | None = None  # replayed, changed layers per token (S * B,)
-        self._shape = (0, 0)
+        self._tally: RouteTally | None = None  # the last `forcing` block's counts
         self._active = False
         for router in self.routers:
             router.register_forward_pre_hook(self._pre_hook)
@@ -93,7 +93,7 @@ class MegatronRouteReplay:
         and count into replayed/changed (reset here); None routes as the model does."""
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-        self._maps = None
+        self._tally = None
         if routes is None:
             yield
             return
@@ -106,8 +106,7 @@ class MegatronRouteReplay:
         if routes.numel() and int(routes.max()) >= self.shape.num_experts:
             raise ValueError(f"routed_experts names expert {int(routes.max())}; the model has {self.shape.num_experts}")
         seq_major = routes.transpose(0, 1).reshape(-1, layers, k)  # (S * B, layers, k): row s * B + b
-        self._shape = tuple(routes.shape[:2])
-        self._maps = (torch.zeros(seq_major.shape[0]), torch.zeros(seq_major.shape[0]))
+        self._tally = RouteTally(*routes.shape[:2], seq_major=True)
         device = self.routers[0].weight.device
         RouterReplay.set_replay_data([seq_major[:, i].to(device) for i in range(layers)])
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -136,23 +135,18 @@ class MegatronRouteReplay:
         ids = torch.where(given[:, None], forced, own)
         replay.target_topk_idx = ids
         replay.replay_backward_list[-1] = ids  # what a recomputed forward would replay: the same routes
-        differs = (ids.sort(-1).values != own.sort(-1).values).any(-1) & given
-        self._maps[0].add_(given.float().cpu())
-        self._maps[1].add_(differs.float().cpu())
+        self._tally.add(given, ids, own)
 
     @property
     def replayed(self) -> float:
         """(token, MoE layer) pairs replayed in the last `forcing` block."""
-        return 0.0 if self._maps is None else float(self._maps[0].sum())
+        return 0.0 if self._tally is None else self._tally.replayed
 
     @property
     def changed(self) -> float:
         """Of them, those whose experts differ from the router's own top-k."""
-        return 0.0 if self._maps is None else float(self._maps[1].sum())
+        return 0.0 if self._tally is None else self._tally.changed
 
     def maps(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(B, S) MoE layers replayed and changed per token in the last `forcing` block (None without routes)."""
-        if self._maps is None:
-            return None
-        b, s = self._shape
-        return self._maps[0].view(s, b).T, self._maps[1].view(s, b).T
+        return None if self._tally is None else self._tally.maps()
