@@ -63,7 +63,8 @@ def trainer_death(err: BaseException, trainer) -> str | None:
     if trainer is None:
         return None
     if isinstance(err, ray.exceptions.RayActorError) and err.actor_id == trainer._actor_id.hex():
-        return "the trainer actor died"
+        # An error raised in its constructor is a failed start, which a restart would repeat: reported as it is.
+        return None if err.actor_init_failed else "the trainer actor died"
     if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ray.exceptions.RayActorError):
         return f"a trainer rank died ({type(err.cause).__name__})"
     return None
@@ -117,6 +118,8 @@ def failure(ctx, err: BaseException) -> RunFailed:
     while True:
         if isinstance(inner, ray.exceptions.RayTaskError):
             where = inner.function_name
+        elif isinstance(inner, ray.exceptions.RayActorError) and inner.actor_init_failed:
+            where = "an actor's constructor"  # Ray keeps only the text of its error: the last line names it
         nxt = getattr(inner, "cause", None) or inner.__cause__
         if nxt is None or nxt is inner:
             break

@@ -7,7 +7,6 @@ rest of each row is checked when the stream reads it, and a bad one there fails 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -23,13 +22,12 @@ from pipeline.checkpoint import Checkpoint
 from pipeline.clock import VersionClock
 from pipeline.config import ConfigError, RunConfig, to_yaml
 from pipeline.config.checks import check_engine_heads
-from pipeline.config.placement import Placement, megatron_data_parallel_size, trainer_rank_gpus
+from pipeline.config.placement import Placement
 from pipeline.observe.monitor import Monitor, make_monitor
 from pipeline.stream import check_layout, wait_for_executors
 from pipeline.tasks.admission import AdmissionOrder, PromptSource
 from pipeline.tasks.source import PromptDataError, PromptFile, load_prompts
 from stages.staleness import StalenessBudget
-from stages.trainer.settings import PolicySettings
 
 
 @dataclass
@@ -48,6 +46,7 @@ class RunContext:
     stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
     clock: Any = None  # the actors this attempt started, ended with it on a cluster that outlives the run
     trainer: Any = None
+    trainer_nodes: Any = None  # the placement group of a trainer over several nodes (pipeline/trainer_launch.py)
     placement: Placement = Placement()  # where the actors go (ray.placement), checked against the cluster
 
     @property
@@ -90,57 +89,6 @@ class RunContext:
         ledger = self.resumed.ledger
         return list(zip(*(ledger[c].to_pylist() for c in ledger.column_names), strict=True))
 
-    def start_trainer(self):
-        if self.cfg.trainer.backend == "sim":
-            from stages.sim.trainer import SimTrainer
-
-            # It only sleeps: no CPU, so it never competes with the stages for one on a 2-core box.
-            options = {"num_cpus": 0, "resources": self.placement.trainer_resources()}
-            return ray.remote(SimTrainer).options(**options).remote(dataclasses.asdict(self.cfg.sim))
-        a, t = self.cfg.actor, self.cfg.trainer
-        extra: dict = {"weight_sync_backend": self.cfg.weight_sync.backend}
-        if t.backend == "megatron":
-            from stages.trainer.megatron_backend import MegatronTrainer as Trainer
-
-            extra |= dataclasses.asdict(a.megatron) | {"data_parallel_size": megatron_data_parallel_size(self.cfg)}
-            extra["rank_resources"] = self.placement.trainer_resources()  # its peers sit on rank 0's node
-        elif a.fsdp_config.fsdp_size > 1:
-            from stages.trainer.fsdp_backend import FSDPTrainer as Trainer
-
-            extra |= {"rollout_correction": self.cfg.algorithm.rollout_correction, **dataclasses.asdict(a.fsdp_config)}
-            extra["rank_resources"] = self.placement.trainer_resources()
-        else:
-            from stages.trainer.torch_backend import TorchTrainer as Trainer
-
-            extra["rollout_correction"] = self.cfg.algorithm.rollout_correction
-        # Multi-rank trainers compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
-        gpus = trainer_rank_gpus(self.cfg, ray.cluster_resources().get("GPU", 0))
-        if gpus:
-            extra["gpus_per_rank"] = gpus
-        trainer = (
-            ray.remote(Trainer)
-            .options(num_cpus=1, num_gpus=gpus, resources=self.placement.trainer_resources())
-            .remote(
-                str(self.model_dir),
-                policy=self._policy(),
-                use_rollout_log_probs=self.cfg.async_training.use_rollout_log_probs,
-                compute_prox_log_prob=self.cfg.async_training.compute_prox_log_prob,
-                seed=t.seed,
-                torch_threads=t.torch_threads,
-                optimizer_state=str(self.optimizer_state) if self.optimizer_state else None,
-                **extra,
-            )
-        )
-        return trainer
-
-    def _policy(self) -> PolicySettings:
-        """The actor's objective; a null loss_scale_factor becomes data.max_response_length, verl's padded response
-        width, so seq-mean-token-sum-norm divides every micro-batch by the same constant."""
-        policy = self.cfg.actor.policy()
-        if policy.loss_scale_factor is None:
-            policy = dataclasses.replace(policy, loss_scale_factor=self.cfg.data.max_response_length)
-        return policy
-
     def stop_ray(self) -> None:
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
@@ -148,6 +96,8 @@ class RunContext:
             for actor in (self.trainer, self.clock):
                 if actor is not None:
                     ray.kill(actor)
+            if self.trainer_nodes is not None:
+                ray.util.remove_placement_group(self.trainer_nodes)
 
     def shutdown(self) -> None:
         """Stop the stream, then Ray; a monitor still open here means the run did not reach its summary: mark it

@@ -20,6 +20,7 @@ from pipeline.observe.faults import FaultLog
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import RunContext, prepare
 from pipeline.stream import build_stream, configure_data_context, step_transform
+from pipeline.trainer_launch import start_trainer
 from pipeline.validate import make_validator
 from stages.handoff import ByReference
 from stages.sink import TrainingSink
@@ -45,7 +46,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
     at = cfg.async_training
     budget = StalenessBudget.from_config(cfg)
     clock = ctx.start_clock(budget)
-    trainer = ctx.trainer = ctx.start_trainer()
+    trainer = ctx.trainer = start_trainer(ctx)
     configure_data_context(cfg.ray.no_progress_timeout_s)
     stream = build_stream(cfg, ctx.source, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle, ctx.start_version)
     sink = TrainingSink(

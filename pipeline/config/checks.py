@@ -198,10 +198,17 @@ def _trainer_rank_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             t.n_gpus_per_node >= 0,
             f"trainer.n_gpus_per_node must be >= 0 (0: one model replica), not {t.n_gpus_per_node}",
         ),
+        (t.nnodes >= 1, f"trainer.nnodes must be >= 1 (the trainer's nodes), not {t.nnodes}"),
         (
-            t.nnodes == 1,
-            f"trainer.nnodes={t.nnodes}: every trainer rank runs on the first rank's node today; set trainer.nnodes=1 "
-            "and the ranks in trainer.n_gpus_per_node",
+            t.nnodes == 1 or t.n_gpus_per_node > 0,
+            f"trainer.nnodes={t.nnodes} spreads the trainer's ranks over nodes, trainer.n_gpus_per_node on each: "
+            "set trainer.n_gpus_per_node (0 means one model replica on one node)",
+        ),
+        (
+            t.backend != "megatron" or t.nnodes == 1 or t.n_gpus_per_node % mg.tensor_model_parallel_size == 0,
+            f"trainer.n_gpus_per_node={t.n_gpus_per_node} is not a multiple of "
+            f"actor.megatron.tensor_model_parallel_size={mg.tensor_model_parallel_size}: a tensor-parallel group "
+            f"would span two of the trainer.nnodes={t.nnodes} nodes; keep each on one node",
         ),
         (
             t.backend != "megatron" or replica < 1 or world % replica == 0,

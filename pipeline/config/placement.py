@@ -85,6 +85,21 @@ def trainer_ranks(cfg: RunConfig) -> int:
     return cfg.actor.fsdp_config.fsdp_size if t.backend == "torch" else 1
 
 
+def trainer_nodes(cfg: RunConfig) -> int:
+    """Nodes the trainer's ranks span: trainer.nnodes for a multi-rank trainer laid out per node, else one."""
+    return cfg.trainer.nnodes if cfg.trainer.n_gpus_per_node and trainer_ranks(cfg) > 1 else 1
+
+
+def trainer_bundle(cfg: RunConfig, placement: Placement, cluster_gpus: float) -> dict[str, float]:
+    """What one trainer node's ranks ask Ray for, together: a CPU for the rank that drives them (rank 0's node;
+    the others keep one too, so every bundle is alike), their GPUs and their shares of the node marker."""
+    per_node = trainer_ranks(cfg) // trainer_nodes(cfg)
+    gpus = per_node * trainer_rank_gpus(cfg, cluster_gpus)
+    bundle = {"CPU": 0.0 if cfg.trainer.backend == "sim" else 1.0, "GPU": gpus}
+    bundle |= {placement.trainer: per_node * SHARE} if placement.trainer else {}
+    return {k: v for k, v in bundle.items() if v > 0}
+
+
 def megatron_data_parallel_size(cfg: RunConfig) -> int:
     """Model replicas of the Megatron trainer: its ranks over one replica's (TP x PP)."""
     mg = cfg.actor.megatron
@@ -107,6 +122,7 @@ class Group:
     bundle: dict[str, float]
     keys: str  # the config keys that size it, for the message
     on: str = ""  # the custom resource its nodes must have (from `bundle`); empty: any node
+    spread: bool = False  # each bundle on a node of its own (a placement group's STRICT_SPREAD)
 
     def total(self, resource: str) -> float:
         return self.count * self.bundle.get(resource, 0.0)
@@ -115,22 +131,22 @@ class Group:
 def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference: bool) -> list[Group]:
     """What the run's actors ask Ray for, as prepare.py and stream.py ask it (`reference`: the stream computes
     reference logprobs)."""
-    t, ranks = cfg.trainer, trainer_ranks(cfg)
-    trainer_cpus = 0.0 if t.backend == "sim" else 1.0  # the first rank's; the peers ask for none
-    trainer = {"CPU": trainer_cpus, "GPU": ranks * trainer_rank_gpus(cfg, cluster_gpus)}
+    ranks, nodes = trainer_ranks(cfg), trainer_nodes(cfg)
+    trainer = trainer_bundle(cfg, Placement(), cluster_gpus)  # the first rank's CPU; the peers ask for none
     engine = {"CPU": 1.0, "GPU": engine_gpus(cfg, cluster_gpus)}
     engines = cfg.rollout.num_replicas + (1 if cfg.async_training.use_trainer_do_validate else 0)
     engine_tp = cfg.rollout.tensor_model_parallel_size if engine["GPU"] else 1
     groups = [
         _group(
-            f"trainer ({ranks} rank{'s' * (ranks > 1)} on one node)" if ranks > 1 else "trainer",
-            1,
+            _trainer_name(ranks, nodes),
+            nodes,
             trainer,
-            {placement.trainer: ranks * SHARE} if placement.trainer else {},
-            "trainer.n_gpus_per_node, actor.megatron.tensor_model_parallel_size, "
+            {placement.trainer: ranks // nodes * SHARE} if placement.trainer else {},
+            "trainer.n_gpus_per_node, trainer.nnodes, actor.megatron.tensor_model_parallel_size, "
             "actor.megatron.pipeline_model_parallel_size, actor.fsdp_config.fsdp_size, ray.gpus_per_trainer_rank"
-            if ranks > 1 or trainer["GPU"]
+            if ranks > 1 or trainer.get("GPU")
             else "",
+            spread=nodes > 1,
         ),
         _group(
             f"engine ({engine_tp} GPUs on one node)" if engine_tp > 1 else "engine",
@@ -149,9 +165,17 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
     return groups
 
 
-def _group(name: str, count: int, bundle: dict[str, float], custom: dict[str, float], keys: str) -> Group:
+def _trainer_name(ranks: int, nodes: int) -> str:
+    if nodes > 1:
+        return f"trainer node ({ranks // nodes} of the trainer's {ranks} ranks, one node each)"
+    return f"trainer ({ranks} ranks on one node)" if ranks > 1 else "trainer"
+
+
+def _group(
+    name: str, count: int, bundle: dict[str, float], custom: dict[str, float], keys: str, spread: bool = False
+) -> Group:
     on = next(iter(custom), "")
-    return Group(name, count, {k: v for k, v in {**bundle, **custom}.items() if v > 0}, keys, on)
+    return Group(name, count, {k: v for k, v in {**bundle, **custom}.items() if v > 0}, keys, on, spread)
 
 
 def check(groups: list[Group], nodes: list[Mapping[str, float]]) -> str | None:
@@ -165,7 +189,7 @@ def check(groups: list[Group], nodes: list[Mapping[str, float]]) -> str | None:
             names = " and the ".join(g.name for g in bound)
             problems.append((f"the {names} must go on nodes with `{on}`, and no node has it", _marker_keys(on)))
             continue
-        too_big = [p for g in bound if g.on == on for p in [_fits_one_node(g, pool)] if p]
+        too_big = [p for g in bound if g.on == on for p in [_fits_one_node(g, pool) or _spreads(g, pool)] if p]
         problems += too_big
         short = [r for r in ("CPU", "GPU") if sum(g.total(r) for g in bound) > _sum(pool, r) + 1e-9]
         if short and not too_big:
@@ -191,6 +215,17 @@ def _fits_one_node(group: Group, pool: list[Mapping[str, float]]) -> tuple[str, 
         return f"{_a(group.name)} needs {_resources(need)} on the head, which has less", group.keys
     where = f" with `{group.on}`" if group.on else ""
     return f"{_a(group.name)} needs {_resources(need)} on one node{where}, and none has that much", group.keys
+
+
+def _spreads(group: Group, pool: list[Mapping[str, float]]) -> tuple[str, str] | None:
+    """A spread group's bundles each need a node of their own that holds one."""
+    need = {r: v for r, v in group.bundle.items() if r in ("CPU", "GPU")}
+    fit = [n for n in pool if all(n.get(r, 0.0) + 1e-9 >= v for r, v in need.items())]
+    if not group.spread or len(fit) >= group.count:
+        return None
+    where = f" with `{group.on}`" if group.on else ""
+    holds = f" that hold {_resources(need)} each" if need else ""
+    return f"{group.count} x {group.name} need {group.count} nodes{where}{holds}, and there are {len(fit)}", group.keys
 
 
 def _a(name: str) -> str:

@@ -275,7 +275,8 @@ class TrainerConfig:
     n_gpus_per_node x nnodes ranks, data-parallel size = that / (tensor x pipeline parallel size); 0 means one
     model replica (TP x PP ranks). The torch backend's ranks are actor.fsdp_config.fsdp_size (-1: these)."""
     nnodes: int = 1
-    """verl's trainer nodes. Every trainer rank runs on the first rank's node today: only 1."""
+    """verl's trainer nodes: n_gpus_per_node ranks on each, one Ray placement bundle per node (each on a node of its
+    own, with ray.trainer_resource when the cluster marks trainer nodes)."""
     seed: int = 0
     """Seed for model init, warm start and sampling."""
     torch_threads: int = 1

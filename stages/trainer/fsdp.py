@@ -1,9 +1,10 @@
 """One data-parallel rank of the torch trainer: its process group, its FSDP2-sharded model, and its parameters and
 optimizer state moved between the sharded and the full (HF, single-process) form.
 
-A TorchTrainer built with a `DPRank` of size > 1 joins a torch.distributed world on 127.0.0.1 (gloo on CPU, NCCL
-on GPU), shards its HF model with `torch.distributed.fsdp.fully_shard` (FSDP2: every decoder layer one unit, the
-root the embeddings, final norm and head), and trains its share of each mini-batch (stages/trainer/fsdp_backend.py
+A TorchTrainer built with a `DPRank` of size > 1 joins a torch.distributed world at rank 0's address (gloo on CPU,
+NCCL on GPU; stages/trainer/ranks.py says where the ranks run and meet), shards its HF model with
+`torch.distributed.fsdp.fully_shard` (FSDP2: every decoder layer one unit, the root the embeddings, final norm and
+head), and trains its share of each mini-batch (stages/trainer/fsdp_backend.py
 splits them). FSDP's gradient reduction is a plain sum (divide factor 1): each rank's loss is already divided by the
 WHOLE mini-batch's denominators, so the ranks' gradients add up to the single-process gradient in every
 loss_agg_mode, the seq-mean-token-sum-norm included (verl scales that one by the DP size instead).
@@ -14,7 +15,6 @@ runs it there. The NCCL/CUDA path is the same code on `cuda` devices and is unve
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from stages.trainer.loss import AggCounts
+from stages.trainer.ranks import LOOPBACK
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class DPRank:
 
     rank: int = 0
     size: int = 1
-    port: int = 0  # the rendezvous of rank 0 on 127.0.0.1
+    port: int = 0  # rank 0's rendezvous
+    host: str = LOOPBACK  # where it listens: loopback on one node, rank 0's node address across nodes
 
 
 @dataclass
@@ -45,12 +47,6 @@ class Share:
     micro_batches: int  # passes every rank runs for it (the same on all: each is a collective)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def join(dp: DPRank) -> torch.device:
     """Join the data-parallel world (nothing to join at size 1); returns the device this rank computes on."""
     cuda = dp.size > 1 and torch.cuda.is_available()
@@ -58,7 +54,7 @@ def join(dp: DPRank) -> torch.device:
     if dp.size > 1:
         dist.init_process_group(
             "nccl" if cuda else "gloo",
-            init_method=f"tcp://127.0.0.1:{dp.port}",
+            init_method=f"tcp://{dp.host}:{dp.port}",
             rank=dp.rank,
             world_size=dp.size,
             timeout=timedelta(seconds=600),

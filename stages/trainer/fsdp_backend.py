@@ -32,7 +32,8 @@ import torch
 
 from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
-from stages.trainer.fsdp import DPRank, Share, free_port
+from stages.trainer.fsdp import DPRank, Share
+from stages.trainer.ranks import RankPlacement, free_port
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
 from stages.trainer.torch_backend import TorchTrainer, copy_side_files, correct_minibatches, publish, upload
@@ -53,9 +54,11 @@ class FSDPTrainer:
         fsdp_size: int = 2,
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
+        rank_placement: RankPlacement | None = None,
     ) -> None:
         """TorchTrainer's arguments, and `fsdp_size` ranks; `gpus_per_rank`, `rank_resources`: what each peer asks
-        Ray for (a share of the trainer nodes' custom resource, pipeline/config/placement.py)."""
+        Ray for (a share of the trainer nodes' custom resource, pipeline/config/placement.py); `rank_placement`:
+        the trainer's nodes (default: all on this one)."""
         import ray
 
         if fsdp_size < 2:
@@ -71,21 +74,20 @@ class FSDPTrainer:
             torch_threads=torch_threads,
             optimizer_state=optimizer_state,
         )
-        self.size, port = fsdp_size, free_port()
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # The ranks meet on this node's loopback: the peers go where rank 0 is.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        remote_rank = ray.remote(TorchTrainer).options(
-            num_cpus=0, num_gpus=gpus_per_rank, resources=rank_resources or {}, scheduling_strategy=here
-        )
+        placement = rank_placement or RankPlacement()
+        host = placement.host()
+        self.size, port = fsdp_size, free_port(host)
+        remote_rank = ray.remote(TorchTrainer)
+        options = dict(num_cpus=0, num_gpus=gpus_per_rank, resources=rank_resources or {})
         self.peers = [
-            remote_rank.remote(model_dir, **kwargs, data_parallel=DPRank(r, fsdp_size, port))
+            remote_rank.options(**options, scheduling_strategy=placement.strategy(r)).remote(
+                model_dir, **kwargs, data_parallel=DPRank(r, fsdp_size, port, host)
+            )
             for r in range(1, fsdp_size)
         ]
         # Joins the peers' rendezvous; its checks (rollout correction without proximal logprobs) raise here.
         self.rank = TorchTrainer(
-            model_dir, **kwargs, weight_sync_backend=weight_sync_backend, data_parallel=DPRank(0, fsdp_size, port)
+            model_dir, **kwargs, weight_sync_backend=weight_sync_backend, data_parallel=DPRank(0, fsdp_size, port, host)
         )
         self.model_dir = Path(model_dir)
 

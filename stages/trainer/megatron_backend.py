@@ -4,8 +4,9 @@ The driver talks to this one object (a Ray actor, like TorchTrainer) through the
 itself and starts the other `TP x PP x DP - 1` ranks as Ray actors (`num_cpus=0`:
 two actors holding a CPU each deadlock a 2-core box, DESIGN.md §6), and makes every rank run each call in the same
 order, since the ranks' forward, backward, gradient reductions and weight gathers are collectives. The ranks form
-their own torch.distributed world on 127.0.0.1 (gloo on CPU, NCCL on GPU), and the weight sync to the engines uses a
-second, private group (stages/trainer/weight_sync.py), so the two never collide.
+their own torch.distributed world (gloo on CPU, NCCL on GPU), on one node or several (stages/trainer/ranks.py), and
+the weight sync to the engines uses a second, private group (stages/trainer/weight_sync.py), so the two never
+collide.
 
 Data parallelism (DP = trainer ranks / TP): each mini-batch's rows are split across the model replicas balanced by
 token count (stages/trainer/balance.py, as the FSDP backend and verl do); every replica divides its loss by the
@@ -27,7 +28,6 @@ the same TP and PP.
 from __future__ import annotations
 
 import io
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -39,15 +39,10 @@ import torch
 from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
 from stages.trainer.megatron_rank import MegatronRank
+from stages.trainer.ranks import RankPlacement, free_port, node_address
 from stages.trainer.settings import PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals
 from stages.trainer.weight_sync import make_weight_sync
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(refs: list) -> list:
@@ -76,11 +71,12 @@ class MegatronTrainer:
         export_bucket_mb: int = 64,
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
+        rank_placement: RankPlacement | None = None,
     ) -> None:
         """`data_parallel_size`: model replicas, each of `tensor_model_parallel_size x pipeline_model_parallel_size`
-        ranks. `gpus_per_rank`,
-        `rank_resources`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a GPU cluster; a share of
-        the trainer nodes' custom resource, pipeline/config/placement.py)."""
+        ranks. `gpus_per_rank`, `rank_resources`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a
+        GPU cluster; a share of the trainer nodes' custom resource, pipeline/config/placement.py); `rank_placement`:
+        the trainer's nodes (default: all on this one)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, not {data_parallel_size}")
         kwargs = dict(
@@ -91,23 +87,26 @@ class MegatronTrainer:
             torch_threads=torch_threads,
         )
         self.tp, self.pp, self.dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
-        world, port = self.tp * self.pp * self.dp, _free_port()
+        placement = rank_placement or RankPlacement()
+        kwargs["host"] = placement.host()
+        world, port = self.tp * self.pp * self.dp, free_port(kwargs["host"])
         self.peers = []
         if world > 1:
             import ray
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            # On this node: the ranks meet on 127.0.0.1 (a TP group's collectives want one node's links anyway).
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-            remote_rank = ray.remote(MegatronRank).options(
-                num_cpus=0, num_gpus=gpus_per_rank, resources=rank_resources or {}, scheduling_strategy=here
-            )
-            self.peers = [remote_rank.remote(model_dir, r, world, port, **kwargs) for r in range(1, world)]
+            remote_rank = ray.remote(MegatronRank)
+            options = dict(num_cpus=0, num_gpus=gpus_per_rank, resources=rank_resources or {})
+            self.peers = [
+                remote_rank.options(**options, scheduling_strategy=placement.strategy(r)).remote(
+                    model_dir, r, world, port, **kwargs
+                )
+                for r in range(1, world)
+            ]
         self.rank = MegatronRank(model_dir, 0, world, port, **kwargs)  # joins the peers' rendezvous
         self.model_dir = Path(model_dir)
         self.recompute = compute_prox_log_prob or not use_rollout_log_probs
         self.bucket_bytes = export_bucket_mb << 20
-        self.sync = make_weight_sync(weight_sync_backend)
+        self.sync = make_weight_sync(weight_sync_backend, node_address())
         if optimizer_state:
             self._load_optimizer(optimizer_state)
 

@@ -43,6 +43,7 @@ from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, shard
 from stages.trainer.megatron_export import ModelExport
 from stages.trainer.megatron_moe import MegatronRouteReplay, layer_spec, moe_config
 from stages.trainer.megatron_pipeline import Stage, cpu_build, scheduled_logprobs, scheduled_update
+from stages.trainer.ranks import LOOPBACK
 from stages.trainer.settings import PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
 
@@ -90,6 +91,7 @@ class MegatronRank:
         policy: PolicySettings | None = None,
         seed: int = 0,
         torch_threads: int = 1,
+        host: str = LOOPBACK,
     ) -> None:
         from megatron.core import parallel_state
 
@@ -101,7 +103,7 @@ class MegatronRank:
             _cpu_shims()
         dist.init_process_group(
             "nccl" if self.cuda else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{host}:{port}",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=600),

@@ -42,6 +42,7 @@ from stages.trainer.correction import correct_step
 from stages.trainer.fsdp import DPRank, Share
 from stages.trainer.hf_router_replay import HFRouterReplay
 from stages.trainer.loss import TokenForward, entropy_from_logits
+from stages.trainer.ranks import node_address
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs, pad_rows
 from stages.trainer.weight_sync import make_weight_sync
@@ -87,7 +88,7 @@ class TorchTrainer:
             raise ValueError("rollout correction compares proximal and behaviour logprobs: set compute_prox_log_prob")
         self.pad = self.model.config.pad_token_id or 0
         self.replay = HFRouterReplay(self.model) if self.policy.router_replay.active else None
-        self.sync = make_weight_sync(weight_sync_backend)
+        self.sync = make_weight_sync(weight_sync_backend, node_address())
 
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:

@@ -153,8 +153,9 @@ def broadcast_object(obj: object, group) -> object:
     return pickle.loads(payload.numpy().tobytes())
 
 
-def make_weight_sync(backend: str = "gloo") -> WeightSync:
-    """The trainer side of `weight_sync.backend`; nccl and ipc need CUDA and say so."""
+def make_weight_sync(backend: str = "gloo", host: str = "127.0.0.1") -> WeightSync:
+    """The trainer side of `weight_sync.backend`, listening on `host` (the trainer's node address: the engines may
+    run on other nodes); nccl and ipc need CUDA and say so."""
     if backend not in BACKENDS:
         raise ValueError(f"weight_sync.backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if backend != "gloo" and not torch.cuda.is_available():
@@ -162,4 +163,4 @@ def make_weight_sync(backend: str = "gloo") -> WeightSync:
             f"weight_sync.backend={backend} moves CUDA tensors and this trainer sees no GPU: "
             "use weight_sync.backend=gloo on CPU"
         )
-    return IpcWeightSync() if backend == "ipc" else BroadcastWeightSync(backend)
+    return IpcWeightSync(host) if backend == "ipc" else BroadcastWeightSync(backend, host)

@@ -1,11 +1,12 @@
 """A multi-node Ray cluster on this machine, and a run placed on it by ray.placement.
 
-A head and two worker nodes, each a raylet of its own joined to the head (infra/local_cluster.py: join), one marked
+A head and three worker nodes, each a raylet of its own joined to the head (infra/local_cluster.py: join), two marked
 `trainer: 1`, one `rollout: 1`. The embedded job joins the cluster (`ray.address`) with a data-parallel trainer of
-two ranks (FSDP2), two engine replicas and `ray.placement=required`. Ray's own record of the run's actors (the state
-API on the head's dashboard, which reads the GCS and keeps ended actors) says which node ran each: both trainer
-ranks on the trainer node, both Generate replicas on the rollout node, the version clock and the staleness gate on
-the head. The run passes its audit.
+two ranks (FSDP2) over two nodes (verl's `trainer.n_gpus_per_node=1 trainer.nnodes=2`), two engine replicas and
+`ray.placement=required`. Ray's own record of the run's actors (the state API on the head's dashboard, which reads
+the GCS and keeps ended actors) says which node ran each: the two trainer ranks on the two trainer nodes, one each
+(they meet on rank 0's node address, 127.0.0.1 here), both Generate replicas on the rollout node, the version clock
+and the staleness gate on the head. The run passes its audit.
 
 The job runs in a process of its own: this pytest process may hold the local Ray of the other pipeline tests, and a
 process joins one cluster. The cluster is stopped by its nodes' PIDs (local_cluster.down), never by `ray stop`.
@@ -29,8 +30,9 @@ from tests.pipeline.test_modes import SMALL
 HEAD_CPUS = 2  # the gate, the stream's tasks (reward, advantage, sample log), the prompt reader
 WORKERS = [
     ({"trainer": 1}, 1),
+    ({"trainer": 1}, 1),
     ({"rollout": 1}, 2),
-]  # (marker, CPUs): the trainer (its second rank asks none), 2 engines
+]  # (marker, CPUs): a trainer rank each (every trainer node's bundle holds a CPU), 2 engines
 SHORT = [*SMALL, "rollout.total_rollout_steps=16"]  # 4 steps of 4 prompts
 
 
@@ -69,7 +71,9 @@ def run_job(cluster: lc.Cluster, output_dir: Path) -> subprocess.CompletedProces
     overrides = [
         *SHORT,
         "rollout.num_replicas=2",
-        "actor.fsdp_config.fsdp_size=2",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=2",
+        "actor.fsdp_config.fsdp_size=-1",  # verl's: every trainer rank
         "ray.placement=required",
         f"ray.address={cluster.gcs_address}",
         "ray.no_progress_timeout_s=600",
@@ -107,13 +111,15 @@ def test_trainer_engines_and_control_actors_run_on_their_nodes(tmp_path):
     assert not [p for p in procs if p.is_running()]  # is_running also tells a reused PID from ours
     shutil.rmtree(cluster_dir, ignore_errors=True)
 
-    assert sorted(kinds.values()) == ["head", "rollout", "trainer"]
+    assert sorted(kinds.values()) == ["head", "rollout", "trainer", "trainer"]
     # Ray Data's stage actors are all of class _MapWorker; the stage is in their name, e.g.
     # MapWorker(MapBatches(StalenessGate)).
     where = [(a.get("repr_name") or a["class_name"], kinds.get(a["node_id"], "?")) for a in actors]
     print("placement test: actors and their nodes:", where)
     # Every trainer rank: rank 0 (FSDPTrainer) and its peer (TorchTrainer); Megatron's end in Trainer or Rank too.
-    trainer = [node for name, node in where if name.endswith(("Trainer", "Rank"))]
+    ranks = [a for a in actors if (a.get("repr_name") or a["class_name"]).endswith(("Trainer", "Rank"))]
+    assert len({a["node_id"] for a in ranks}) == 2, where  # one rank on each trainer node
+    trainer = [kinds.get(a["node_id"], "?") for a in ranks]
     generate = [node for name, node in where if "(VLLMGenerate)" in name]
     gate = [node for name, node in where if "(StalenessGate)" in name]
     clock = [node for name, node in where if name == "VersionClock"]

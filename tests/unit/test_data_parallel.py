@@ -107,7 +107,17 @@ def test_trainer_ranks_come_from_verls_keys():
         (["trainer.backend=megatron", "actor.fsdp_config.fsdp_size=2"], "set trainer.backend=torch or"),
         (["trainer.n_gpus_per_node=4", "actor.fsdp_config.fsdp_size=2"], r"fsdp_size=-1 \(all of them\)"),
         (["trainer.n_gpus_per_node=-2"], "n_gpus_per_node must be >= 0"),
-        (["trainer.n_gpus_per_node=2", "trainer.nnodes=2", "actor.fsdp_config.fsdp_size=-1"], "set trainer.nnodes=1"),
+        (["trainer.nnodes=0"], "nnodes must be >= 1"),
+        (["trainer.nnodes=2", "actor.fsdp_config.fsdp_size=2"], "set trainer.n_gpus_per_node"),
+        (
+            [
+                "trainer.backend=megatron",
+                "actor.megatron.tensor_model_parallel_size=2",
+                "trainer.n_gpus_per_node=1",
+                "trainer.nnodes=2",
+            ],
+            "tensor-parallel group would span two",
+        ),
         (
             ["trainer.backend=megatron", "actor.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=3"],
             "3 trainer ranks is not a multiple of .* = 2",

@@ -119,3 +119,30 @@ def test_an_empty_marker_name_is_a_config_error():
 def test_the_message_names_only_keys_that_change_the_shortfall():
     message = problem(cfg_of("rollout.num_replicas=4"), SPLIT)  # CPU engines: their GPU key changes nothing
     assert "Change rollout.num_replicas, or add nodes" in message
+
+
+def test_a_trainer_over_two_nodes_needs_two_trainer_nodes_that_each_hold_its_ranks():
+    # verl's layout: 8 GPUs per node x 2 nodes = DP 4 of TP 4; each node's bundle holds its 8 ranks' GPUs
+    gpu_trainer = {"CPU": 32.0, "GPU": 8.0, "trainer": 1.0}
+    rollout = {"CPU": 32.0, "GPU": 8.0, "rollout": 1.0}
+    keys = ["trainer.backend=megatron", "actor.megatron.tensor_model_parallel_size=4", "trainer.n_gpus_per_node=8"]
+    cfg = cfg_of(*keys, "trainer.nnodes=2")
+    (group,) = [g for g in layout(cfg, resolve(cfg.ray, SPLIT), 16.0, False) if g.name.startswith("trainer")]
+    assert (group.count, group.spread, group.bundle) == (2, True, {"CPU": 1.0, "GPU": 8.0, "trainer": 8 * SHARE})
+    assert problem(cfg, [HEAD_NODE, gpu_trainer, gpu_trainer, rollout]) is None
+    message = problem(cfg, [HEAD_NODE, {**gpu_trainer, "GPU": 16.0}, rollout])  # enough GPUs, on one node
+    assert "2 x trainer node (8 of the trainer's 16 ranks, one node each) need 2 nodes with `trainer`" in message
+    assert "and there are 1" in message and "trainer.nnodes" in message
+    assert problem(cfg_of(*keys, "trainer.nnodes=1"), [HEAD_NODE, gpu_trainer, rollout]) is None
+
+
+def test_peer_ranks_go_in_their_nodes_bundle():
+    from stages.trainer.ranks import LOOPBACK, RankPlacement
+
+    one_node = RankPlacement()
+    assert not one_node.multi_node and one_node.host() == LOOPBACK
+    group = object()  # a placement group handle; strategy() only passes it on
+    spread = RankPlacement(group, ranks_per_node=4)
+    bundles = [spread.strategy(r).placement_group_bundle_index for r in range(1, 8)]
+    assert bundles == [0, 0, 0, 1, 1, 1, 1]  # ranks 0-3 (one TP group of 4) on the first node
+    assert spread.strategy(5).placement_group is group

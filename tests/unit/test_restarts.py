@@ -30,6 +30,18 @@ def test_only_the_trainer_dying_counts_as_the_trainer_dying():
     assert trainer_death(died, None) is None  # died before the trainer started
 
 
+def test_a_trainer_that_fails_to_start_is_reported_with_its_error_not_restarted(tmp_path):
+    from pipeline.finish import failure
+
+    tb = "Traceback (most recent call last):\n  File ...\nAttributeError: no attribute 'options'"
+    init = ray.exceptions.RayTaskError("FSDPTrainer.__init__", tb, AttributeError("no attribute 'options'"))
+    failed_start = ray.exceptions.ActorDiedError(init)
+    failed_start.actor_id = TRAINER_ID
+    assert failed_start.actor_init_failed and trainer_death(failed_start, FakeTrainer()) is None
+    message = str(failure(SimpleNamespace(run_dir=tmp_path), failed_start))
+    assert message.startswith("an actor's constructor failed: ActorDiedError:") and "no attribute 'options'" in message
+
+
 def _ctx(tmp_path, *overrides):
     cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "trainer.run_name=r", *overrides])
     run_dir = tmp_path / "r"

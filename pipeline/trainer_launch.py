@@ -1,0 +1,119 @@
+"""Starting the trainer: which backend (`trainer.backend`, `actor.fsdp_config.fsdp_size`), its arguments from the
+config, and where its ranks run.
+
+The driver starts one actor, rank 0 of the trainer; a multi-rank backend (Megatron's TP x PP x DP grid, FSDP2)
+starts its peers itself (stages/trainer/ranks.py). When the ranks span several nodes (`trainer.nnodes > 1`) the
+driver first reserves one placement bundle per trainer node, each on a node of its own, and rank 0 goes in the
+first: if the cluster cannot give them, the run stops here with what was asked for, instead of waiting for ever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import ray
+
+from pipeline.config import ConfigError
+from pipeline.config.placement import (
+    megatron_data_parallel_size,
+    trainer_bundle,
+    trainer_nodes,
+    trainer_rank_gpus,
+    trainer_ranks,
+)
+from stages.trainer.ranks import RankPlacement
+from stages.trainer.settings import PolicySettings
+
+if TYPE_CHECKING:
+    from pipeline.prepare import RunContext
+
+RESERVE_TIMEOUT_S = 300.0  # the layout check passed: the bundles wait only for what other jobs hold
+
+
+def start_trainer(ctx: RunContext):
+    """The trainer actor (rank 0), its backend chosen and configured from ctx.cfg."""
+    cfg, placement = ctx.cfg, ctx.placement
+    if cfg.trainer.backend == "sim":
+        from stages.sim.trainer import SimTrainer
+
+        # It only sleeps: no CPU, so it never competes with the stages for one on a 2-core box.
+        options = {"num_cpus": 0, "resources": placement.trainer_resources()}
+        return ray.remote(SimTrainer).options(**options).remote(dataclasses.asdict(cfg.sim))
+    Trainer, extra = _backend(ctx)
+    # Multi-rank trainers compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
+    gpus = trainer_rank_gpus(cfg, ray.cluster_resources().get("GPU", 0))
+    if gpus:
+        extra["gpus_per_rank"] = gpus
+    options: dict = {"num_cpus": 1, "num_gpus": gpus, "resources": placement.trainer_resources()}
+    ranks = _reserve_nodes(ctx)
+    if ranks is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        extra["rank_placement"] = ranks
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(ranks.group, placement_group_bundle_index=0)
+    return (
+        ray.remote(Trainer)
+        .options(**options)
+        .remote(
+            str(ctx.model_dir),
+            policy=_policy(ctx),
+            use_rollout_log_probs=cfg.async_training.use_rollout_log_probs,
+            compute_prox_log_prob=cfg.async_training.compute_prox_log_prob,
+            seed=cfg.trainer.seed,
+            torch_threads=cfg.trainer.torch_threads,
+            optimizer_state=str(ctx.optimizer_state) if ctx.optimizer_state else None,
+            **extra,
+        )
+    )
+
+
+def _backend(ctx: RunContext) -> tuple[type, dict]:
+    """The trainer class and its backend-specific arguments."""
+    cfg, a = ctx.cfg, ctx.cfg.actor
+    extra: dict = {"weight_sync_backend": cfg.weight_sync.backend}
+    if cfg.trainer.backend == "megatron":
+        from stages.trainer.megatron_backend import MegatronTrainer as Trainer
+
+        extra |= dataclasses.asdict(a.megatron) | {"data_parallel_size": megatron_data_parallel_size(cfg)}
+        extra["rank_resources"] = ctx.placement.trainer_resources()
+    elif a.fsdp_config.fsdp_size > 1:
+        from stages.trainer.fsdp_backend import FSDPTrainer as Trainer
+
+        extra |= {"rollout_correction": cfg.algorithm.rollout_correction, **dataclasses.asdict(a.fsdp_config)}
+        extra["rank_resources"] = ctx.placement.trainer_resources()
+    else:
+        from stages.trainer.torch_backend import TorchTrainer as Trainer
+
+        extra["rollout_correction"] = cfg.algorithm.rollout_correction
+    return Trainer, extra
+
+
+def _reserve_nodes(ctx: RunContext) -> RankPlacement | None:
+    """One bundle per trainer node, reserved once per attempt (ended with it, stop_ray); None on one node."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    nodes = trainer_nodes(ctx.cfg)
+    if nodes == 1:
+        return None
+    bundle = trainer_bundle(ctx.cfg, ctx.placement, ray.cluster_resources().get("GPU", 0))
+    group = placement_group([dict(bundle) for _ in range(nodes)], strategy="STRICT_SPREAD")
+    ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        raise ConfigError(
+            f"the trainer's {nodes} nodes (trainer.nnodes={nodes}), each with {bundle}, were not free after "
+            f"{RESERVE_TIMEOUT_S:g} s: other jobs hold them, or nodes left the cluster. Nodes: "
+            f"{[n['Resources'] for n in ray.nodes() if n.get('Alive')]}"
+        )
+    ctx.trainer_nodes = group
+    return RankPlacement(group, trainer_ranks(ctx.cfg) // nodes)
+
+
+def _policy(ctx: RunContext) -> PolicySettings:
+    """The actor's objective; a null loss_scale_factor becomes data.max_response_length, verl's padded response
+    width, so seq-mean-token-sum-norm divides every micro-batch by the same constant."""
+    policy = ctx.cfg.actor.policy()
+    if policy.loss_scale_factor is None:
+        policy = dataclasses.replace(policy, loss_scale_factor=ctx.cfg.data.max_response_length)
+    return policy

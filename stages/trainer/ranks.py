@@ -1,0 +1,61 @@
+"""Where a multi-rank trainer's peers run and where its ranks meet: one node, or one placement bundle per node.
+
+One node (`trainer.nnodes=1`, the default): every peer goes on rank 0's node (a hard node affinity) and the ranks
+meet on 127.0.0.1, which nothing outside the machine can reach.
+
+Several nodes: the driver reserves one placement-group bundle per trainer node (pipeline/prepare.py, STRICT_SPREAD:
+no two bundles on one node) and starts rank 0 in the first. Rank r goes in bundle r // ranks_per_node, so
+consecutive ranks share a node: megatron orders its ranks TP first, and a tensor-parallel group, whose collectives
+run in every layer, stays on one node's links (the config requires n_gpus_per_node to be a multiple of TP). The ranks
+meet on rank 0's node address as Ray knows it (`--node-ip-address`: 127.0.0.1 on a one-machine cluster), the same
+address Ray's own services on that node listen on.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """How a trainer places its peer ranks. `group`: a Ray PlacementGroup of one bundle per trainer node (None: one
+    node, rank 0's)."""
+
+    group: object = None
+    ranks_per_node: int = 0
+
+    @property
+    def multi_node(self) -> bool:
+        return self.group is not None
+
+    def host(self) -> str:
+        """The address the ranks meet on: loopback on one node, else this (rank 0's) node's address."""
+        return node_address() if self.multi_node else LOOPBACK
+
+    def strategy(self, rank: int):
+        """The scheduling strategy of peer `rank`."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+        if not self.multi_node:
+            return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank // self.ranks_per_node)
+
+
+def node_address() -> str:
+    """This process's node address as Ray knows it; loopback outside Ray (a trainer built in-process by a test)."""
+    import ray
+
+    if not ray.is_initialized():
+        return LOOPBACK
+    return ray.util.get_node_ip_address()
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on `host` now, for a rendezvous that binds it next."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
