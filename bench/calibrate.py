@@ -1,83 +1,185 @@
-"""Fit the simulated workload to verl's published 128-GPU Qwen2.5-Math-7B table; prints the numbers of
-conf/sim/verl_7b_128gpu.yaml.
+"""Fit the simulated workload to one of verl's published tables; prints the numbers of its conf/sim/ preset.
 
-The table gives, per step of 512 prompts x 16 responses (max 28K tokens):
-  colocated sync, 128 GPUs: gen 177.85 s, old_log_prob 53.92 s + update_actor 113.81 s, step 356.30 s;
-  fully async, 64:64:      gen wait 33.14 s, update_actor 113.16 s, step 150.63 s
-                           (trigger_parameter_sync_step=4, require_batches=4, staleness 0.5, partial rollout).
-Assumed (the table does not say): response lengths log-normal with mean 4000 tokens (sigma 1.0, capped at 28K),
-no prefill cost. The batch is scaled down 16x (32 prompts per 512) with the engine slots, which keeps the
-requests per slot and so the tail. Fitted: the engine slots, from the async trainer's wait for data, and the
-per-sequence decode time, from the colocated generation time. Training and sync times are the table's.
+Two tables from the fully_async_policy README (seed 001), each colocated sync against fully async on the same GPUs:
 
-    python -m bench.calibrate
+- `7b` (conf/sim/verl_7b_128gpu.yaml), Qwen2.5-Math-7B on 128 GPUs, per step of 512 prompts x 16 responses (max
+  28K tokens): colocated gen 177.85 s, old_log_prob 53.92 s + update_actor 113.81 s, step 356.30 s; fully async
+  64:64: gen wait 33.14 s, update_actor 113.16 s, step 150.63 s (trigger_parameter_sync_step=4, require_batches=4,
+  staleness 0.5, partial rollout). Assumed (the table does not say): response lengths log-normal with mean 4000
+  tokens (sigma 1.0, capped at 28K), no prefill cost.
+- `retool` (conf/sim/verl_retool_32gpu.yaml), multi-turn tool calling (ReTool, Qwen2.5-7B-Instruct SFT, DAPO) on
+  32 GPUs, per step of 64 prompts: colocated gen 228.03 s, old_log_prob 35.19 s + update_actor 111.84 s, step
+  375.47 s; fully async 16:16: gen wait 40.59 s, update_actor 179.58 s, step 221.36 s (ppo_mini_batch_size=16,
+  trigger_parameter_sync_step=4, require_batches=1, staleness 1, partial rollout); 1.55x over 100 steps, 1.60x over
+  200 (total times, validation included). Assumed: 16 responses per prompt (the recipe's), lengths log-normal with
+  mean 3000 tokens (sigma 1.0, capped at 16K), 4 assistant turns with a 2 s tool call (a sandbox run) between two,
+  no prefill cost; the async step is one sync window of 4 x 16 = 64 prompts, as the colocated step.
+
+Each batch is scaled down (`scale`) with the engine slots, which keeps the requests per slot and so the tail. Fitted:
+the engine slots, from the async trainer's wait for data, and the per-sequence decode time, from the colocated
+generation time. Training and sync times are the table's.
+
+    python -m bench.calibrate            # the 7b table
+    python -m bench.calibrate retool
 """
 
 from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.sim.des import Setting, simulate
 from stages.sim.workload import Workload
 from stages.staleness import StalenessBudget
 
-SCALE = 16  # prompts per step 512 -> 32
-N, MAX_LEN, MEAN, SIGMA = 16, 28000, 4000, 1.0
-COLO_GEN, COLO_TRAIN, COLO_STEP = 177.85, 53.92 + 113.81, 356.30
-ASYNC_WAIT, ASYNC_TRAIN, ASYNC_STEP = 33.14, 113.16, 150.63
-COLO_SWITCH = COLO_STEP - COLO_GEN - COLO_TRAIN  # the rest of a colocated step: resharding, reward, ...
-ASYNC_SYNC = ASYNC_STEP - ASYNC_WAIT - ASYNC_TRAIN  # the rest of an async step (4 local updates): the sync, ...
+CONF = Path(__file__).resolve().parents[1] / "conf" / "sim"
 STEPS = 12
 
 
-def mean_length(work: Workload, samples: int = 20000) -> float:
-    return sum(work.response_length(f"m{i}/0", MAX_LEN) for i in range(samples)) / samples
+@dataclass(frozen=True)
+class Table:
+    """A published colocated-vs-async table and what the simulated workload assumes about it. Times are seconds per
+    colocated step of `prompts` prompts; the async side runs on half the GPUs (half the slots)."""
+
+    preset: Path
+    prompts: int  # prompts per step
+    scale: int  # prompts and slots divided by this in the simulation
+    mini_batch: int  # async ppo_mini_batch_size (prompts per local step)
+    require_batches: int
+    trigger: int  # trigger_parameter_sync_step
+    staleness: float
+    colo_gen: float
+    colo_train: float  # old_log_prob + update_actor
+    colo_step: float
+    async_wait: float
+    async_train: float
+    async_step: float
+    verl: dict[str, float]  # verl's speedups over colocated sync, by mode name (bench/modes.py)
+    n: int = 16
+    max_len: int = 28000
+    mean: float = 4000
+    sigma: float = 1.0
+    turns: int = 1
+    tool_s: float = 0.0
+    slot_range: range = range(64, 1025, 64)  # candidate slots of the whole colocated fleet, scaled
+
+    @property
+    def colo_switch(self) -> float:
+        """The rest of a colocated step: resharding, reward, ..."""
+        return self.colo_step - self.colo_gen - self.colo_train
+
+    @property
+    def async_sync(self) -> float:
+        """The rest of an async step (one sync window): the sync, ..."""
+        return self.async_step - self.async_wait - self.async_train
+
+    def workload(self, **timings: float) -> Workload:
+        lengths = dict(length_mean=self.mean, length_sigma=self.sigma, turns=self.turns, tool_s=self.tool_s)
+        return Workload(**lengths, **timings)
 
 
-def colocated(work: Workload, slots: int) -> Setting:
+TABLES = {
+    "7b": Table(
+        CONF / "verl_7b_128gpu.yaml",
+        prompts=512,
+        scale=16,
+        mini_batch=32,
+        require_batches=4,
+        trigger=4,
+        staleness=0.5,
+        colo_gen=177.85,
+        colo_train=53.92 + 113.81,
+        colo_step=356.30,
+        async_wait=33.14,
+        async_train=113.16,
+        async_step=150.63,
+        verl={"stream off-policy": 1.6, "async + partial rollout": 2.35},
+    ),
+    "retool": Table(
+        CONF / "verl_retool_32gpu.yaml",
+        prompts=64,
+        scale=4,
+        mini_batch=16,
+        require_batches=1,
+        trigger=4,
+        staleness=1.0,
+        colo_gen=228.03,
+        colo_train=35.19 + 111.84,
+        colo_step=375.47,
+        async_wait=40.59,
+        async_train=179.58,
+        async_step=221.36,
+        verl={"async + partial rollout": round(375.47 / 221.36, 2)},  # per step; 1.55x-1.60x in total time
+        max_len=16384,
+        mean=3000,
+        turns=4,
+        tool_s=2.0,
+        slot_range=range(16, 257, 16),
+    ),
+}
+
+
+def mean_length(work: Workload, max_len: int, samples: int = 20000) -> float:
+    return sum(work.response_length(f"m{i}/0", max_len) for i in range(samples)) / samples
+
+
+def colocated(t: Table, slots: int) -> Setting:
     budget = StalenessBudget(
-        ppo_mini_batch_size=512 // SCALE, require_batches=1, trigger_parameter_sync_step=1, staleness_threshold=0.0
+        ppo_mini_batch_size=t.prompts // t.scale,
+        require_batches=1,
+        trigger_parameter_sync_step=1,
+        staleness_threshold=0.0,
     )
-    return Setting(budget, n=N, max_tokens=MAX_LEN, slots=slots, in_engine=10**6)
+    return Setting(budget, n=t.n, max_tokens=t.max_len, slots=slots, in_engine=10**6)
 
 
-def fully_async(work: Workload, slots: int) -> Setting:
+def fully_async(t: Table, slots: int) -> Setting:
     budget = StalenessBudget(
-        ppo_mini_batch_size=128 // 4 // SCALE, require_batches=4, trigger_parameter_sync_step=4, staleness_threshold=0.5
+        ppo_mini_batch_size=t.mini_batch // t.scale,
+        require_batches=t.require_batches,
+        trigger_parameter_sync_step=t.trigger,
+        staleness_threshold=t.staleness,
     )
-    return Setting(budget, n=N, max_tokens=MAX_LEN, slots=slots // 2, in_engine=10**6, pause_mode="abort")
+    return Setting(budget, n=t.n, max_tokens=t.max_len, slots=slots // 2, in_engine=10**6, pause_mode="abort")
 
 
-def fit_decode(slots: int) -> float:
-    """The per-token decode time that makes the colocated generation phase last COLO_GEN seconds."""
+def fit_decode(t: Table, slots: int) -> float:
+    """The per-token decode time that makes the colocated generation phase last `colo_gen` seconds."""
     lo, hi = 1e-4, 0.1
     for _ in range(22):
         mid = (lo + hi) / 2
-        work = Workload(length_mean=MEAN, length_sigma=SIGMA, decode_s_per_token=mid)
-        gen = simulate(work, colocated(work, slots), STEPS).wall_s / STEPS
-        lo, hi = (mid, hi) if gen < COLO_GEN else (lo, mid)
+        gen = simulate(t.workload(decode_s_per_token=mid), colocated(t, slots), STEPS).wall_s / STEPS
+        lo, hi = (mid, hi) if gen < t.colo_gen else (lo, mid)
     return (lo + hi) / 2
 
 
-def async_wait(slots: int, decode: float, train_per_token: float) -> float:
-    work = Workload(length_mean=MEAN, length_sigma=SIGMA, decode_s_per_token=decode, train_s_per_token=train_per_token)
-    out = simulate(work, fully_async(work, slots), 4 * STEPS)
-    return (out.wall_s - out.train_s) / STEPS  # per 512 prompts
+def async_wait(t: Table, slots: int, decode: float, train_per_token: float) -> float:
+    """The async trainer's wait for data per colocated step's prompts."""
+    work = t.workload(decode_s_per_token=decode, train_s_per_token=train_per_token)
+    windows = t.prompts // (t.mini_batch * t.require_batches)  # local steps per colocated step's prompts
+    out = simulate(work, fully_async(t, slots), windows * STEPS)
+    return (out.wall_s - out.train_s) / STEPS
 
 
 def main() -> None:
-    tokens_per_step = 512 // SCALE * N * mean_length(Workload(length_mean=MEAN, length_sigma=SIGMA))
-    async_per_token = ASYNC_TRAIN / tokens_per_step
-    print(f"{'slots (128 GPUs)':>18} {'decode s/token':>15} {'async gen wait s':>17}")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("table", nargs="?", default="7b", choices=sorted(TABLES))
+    t = TABLES[parser.parse_args().table]
+    tokens_per_step = t.prompts // t.scale * t.n * mean_length(t.workload(), t.max_len)
+    async_per_token = t.async_train / tokens_per_step
+    print(f"{'slots (all GPUs)':>18} {'decode s/token':>15} {'async gen wait s':>17}")
     best = None
-    for slots in range(64, 1025, 64):
-        decode = fit_decode(slots)
-        wait = async_wait(slots, decode, async_per_token)
+    for slots in t.slot_range:
+        decode = fit_decode(t, slots)
+        wait = async_wait(t, slots, decode, async_per_token)
         print(f"{slots:>18} {decode:>15.6f} {wait:>17.2f}")
-        if best is None or abs(wait - ASYNC_WAIT) < abs(best[2] - ASYNC_WAIT):
+        if best is None or abs(wait - t.async_wait) < abs(best[2] - t.async_wait):
             best = (slots, decode, wait)
     slots, decode, wait = best
     print(f"\nfit: slots {slots} (colocated; async half), decode_s_per_token {decode:.6f}, async wait {wait:.2f} s")
-    print(f"train_s_per_token colocated {COLO_TRAIN / tokens_per_step:.4e}, async {async_per_token:.4e}")
-    print(f"sync_s colocated {COLO_SWITCH:.2f} (per step), async {ASYNC_SYNC:.2f} (per sync)")
+    print(f"train_s_per_token colocated {t.colo_train / tokens_per_step:.4e}, async {async_per_token:.4e}")
+    print(f"sync_s colocated {t.colo_switch:.2f} (per step), async {t.async_sync:.2f} (per sync)")
 
 
 if __name__ == "__main__":

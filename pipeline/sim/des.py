@@ -5,7 +5,9 @@ permits (the real StalenessBudget), an engine fleet of `slots` sequences fed whi
 are in it (Ray Data's calls in flight), groups delivered when their n responses are done, the sink's oldest-first
 choice and its lag rule, one optimizer step per `required_samples` prompts, and a blocking weight sync every
 `trigger_parameter_sync_step` steps: `wait` drains the requests in flight first, `abort`/`keep` freeze them for
-the transfer (abort pays the prefill again). bench/modes.py checks it against the real pipeline on sim engines.
+the transfer (abort pays the prefill again). A multi-turn response leaves its slot for each tool call and queues
+again for its next turn; `wait` drains whole trajectories, later turns included. bench/modes.py checks it against
+the real pipeline on sim engines.
 """
 
 from __future__ import annotations
@@ -52,11 +54,16 @@ class Outcome:
 @dataclass
 class _Sample:
     prompt: int
-    tokens: int  # simulated tokens still to decode
-    done: int = 0
+    turns: list[int]  # simulated tokens of each assistant turn
+    turn: int = 0
+    done: float = 0.0  # tokens of this turn decoded before the last pause
     finish: float = 0.0
     started: float = 0.0
     epoch: int = 0  # bumped when a pause moves its finish time: stale heap entries are skipped
+
+    @property
+    def tokens(self) -> int:
+        return self.turns[self.turn]
 
 
 class _Run:
@@ -67,8 +74,10 @@ class _Run:
         self.admit_version: dict[int, int] = {}  # outstanding prompts: admitted, not consumed
         self.left: dict[int, int] = {}  # prompt -> responses still generating
         self.tokens: dict[int, int] = {}
-        self.queue: deque[_Sample] = deque()
+        self.queue: deque[_Sample] = deque()  # waiting for a slot: admitted, or back from a tool call
         self.active: list[_Sample] = []
+        self.in_tool = 0  # samples in a tool call, between two turns
+        self.midway = 0  # samples between their first turn's end and their last turn's start
         self.buffer: list[int] = []  # prompts whose group is complete
         self.events: list = []
         self.seq = itertools.count()
@@ -81,7 +90,7 @@ class _Run:
     # --- engine -------------------------------------------------------------------------------------------
     def _admit(self) -> None:
         b = self.s.budget
-        while not self.paused and len(self.queue) + len(self.active) + self.s.n <= self.s.in_engine:
+        while not self.paused and len(self.queue) + len(self.active) + self.in_tool + self.s.n <= self.s.in_engine:
             if b.permits(self.admitted_in_version, self.carried) <= 0:
                 return
             p = self.next_prompt
@@ -89,11 +98,23 @@ class _Run:
             self.admitted_in_version += 1
             self.admit_version[p], self.left[p], self.tokens[p] = self.version, self.s.n, 0
             for i in range(self.s.n):
-                self.queue.append(_Sample(p, self.w.response_length(f"{p}/{i}", self.s.max_tokens)))
+                length = self.w.response_length(f"{p}/{i}", self.s.max_tokens)
+                self.queue.append(_Sample(p, self.w.turn_tokens(length)))
 
     def _start(self) -> None:
-        while not self.paused and self.queue and len(self.active) < self.s.slots:
-            smp = self.queue.popleft()
+        """Queued requests into free slots, first come first served; during a sync only the later turns of
+        trajectories a `wait` sync drains."""
+        free = self.s.slots - len(self.active)
+        if not self.paused:
+            starting = [self.queue.popleft() for _ in range(min(free, len(self.queue)))]
+        elif self.s.pause_mode == "wait" and self.midway:
+            starting = [smp for smp in self.queue if smp.turn][: max(0, free)]
+            for smp in starting:
+                self.queue.remove(smp)
+        else:
+            starting = []
+        for smp in starting:
+            self.midway -= int(smp.turn > 0)
             self._schedule(smp, self.w.prefill_s)
             self.active.append(smp)
         self._busy_changed()
@@ -117,7 +138,12 @@ class _Run:
 
     def _finished(self, smp: _Sample) -> None:
         self.active.remove(smp)
-        self.tokens[smp.prompt] += smp.tokens
+        if smp.turn + 1 < len(smp.turns):  # a tool call, then the next turn queues for a slot
+            smp.turn, smp.done = smp.turn + 1, 0.0
+            self.in_tool, self.midway = self.in_tool + 1, self.midway + 1
+            heapq.heappush(self.events, (self.t + self.w.tool_s, next(self.seq), "tool", smp))
+            return
+        self.tokens[smp.prompt] += sum(smp.turns)
         self.left[smp.prompt] -= 1
         if self.left[smp.prompt] == 0:
             self.buffer.append(smp.prompt)
@@ -159,7 +185,8 @@ class _Run:
             self._maybe_transfer()
 
     def _maybe_transfer(self) -> None:
-        if self.syncing and (self.s.pause_mode != "wait" or not self.active) and not self.moving:
+        drained = not self.active and not self.midway
+        if self.syncing and (self.s.pause_mode != "wait" or drained) and not self.moving:
             self.moving = True
             heapq.heappush(self.events, (self.t + self.w.sync_time_s(), next(self.seq), "synced", None))
 
@@ -189,6 +216,9 @@ class _Run:
                     self._finished(smp)
                     self._busy_changed()
                     self._maybe_transfer()
+            elif kind == "tool":
+                self.in_tool -= 1
+                self.queue.append(data)
             elif kind == "trained":
                 self._trained()
             else:

@@ -27,7 +27,7 @@ import ray
 from schemas import SAMPLE_SCHEMA, require_columns
 from schemas.sample import GATE_COLUMNS, GENERATE_COLUMNS, PROMPT_COLUMNS
 from stages.engine_busy import EngineBusy
-from stages.sim.workload import Workload
+from stages.sim.workload import Workload, split
 
 _IN_COLUMNS = [c.name for c in PROMPT_COLUMNS + GATE_COLUMNS]
 _OUT_SCHEMA = pa.schema([SAMPLE_SCHEMA.field(c) for c in _IN_COLUMNS + [c.name for c in GENERATE_COLUMNS]])
@@ -69,7 +69,7 @@ class SimGenerate:
         self.state = asyncio.Condition()
         self.paused = False  # a sync is under way: no new request and (abort/keep) no new token
         self.interrupt = asyncio.Event()  # set at the start of an abort/keep sync: decoders stop where they are
-        self.active = 0  # requests holding a slot (wait mode drains these)
+        self.active = 0  # trajectories started and not finished (wait mode drains these)
         self.decoding = 0  # requests inside a decode segment (abort/keep wait until these stop)
         self.busy = EngineBusy()
         self.holding = 0  # validation shares that hold new requests (parallel_validate_and_rollout=false)
@@ -90,8 +90,9 @@ class SimGenerate:
     async def _one(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         sample_id = f"{row['prompt_id']}/{index}"
         start = time.time()
-        total = self.work.units(self.work.response_length(sample_id, self.max_tokens))
-        versions, resumes = await self._generate(total)
+        length = self.work.response_length(sample_id, self.max_tokens)
+        total = self.work.units(length)
+        versions, resumes = await self._generate(total, len(self.work.turn_tokens(length)))
         return {
             **row,
             "sample_id": sample_id,
@@ -111,37 +112,60 @@ class SimGenerate:
             "gen_latency_s": time.time() - start,
         }
 
-    async def _generate(self, total: int) -> tuple[list[int], int]:
-        """Decode `total` tokens in a slot; returns each token's version and how often a sync interrupted it."""
+    async def _generate(self, total: int, turns: int = 1) -> tuple[list[int], int]:
+        """Decode `total` tokens (of the logs) in `turns` turns with a tool call between two (the turns of the
+        response's simulated length, so a response has as many as in the event model); returns each token's
+        version and how often a sync interrupted it."""
         versions: list[int] = []
         resumes = 0
-        async with self.slots:
-            await self._enter()
-            try:
-                await asyncio.sleep(self.work.prefill_s * self.scale)
-                while len(versions) < total:
-                    version, made = await self._decode(total - len(versions))
-                    versions += [version] * made
-                    if len(versions) < total:  # interrupted by a sync: continue with the new weights
-                        resumes += 1
-                        await self._wait_resumed()
-                        if self.pause_mode == "abort":
-                            await asyncio.sleep(self.work.prefill_s * self.scale)
-            finally:
-                await self._leave()
+        turns = split(total, turns)
+        for turn, tokens in enumerate(turns):
+            if turn:  # the tool call: outside any slot, and a sync does not interrupt it
+                await asyncio.sleep(self.work.tool_s * self.scale)
+            made, interrupted = await self._turn(tokens, first=turn == 0, last=turn == len(turns) - 1)
+            versions += made
+            resumes += interrupted
         return versions, resumes
 
-    async def _enter(self) -> None:
-        async with self.state:
-            await self.state.wait_for(lambda: not self.paused)  # a request that arrives during a sync queues
-            self.active += 1
+    async def _turn(self, total: int, first: bool, last: bool) -> tuple[list[int], int]:
+        """One request: decode `total` tokens in a slot."""
+        versions: list[int] = []
+        resumes = 0
+        await self._enter(first)
+        try:
+            await asyncio.sleep(self.work.prefill_s * self.scale)
+            while len(versions) < total:
+                version, made = await self._decode(total - len(versions))
+                versions += [version] * made
+                if len(versions) < total:  # interrupted by a sync: continue with the new weights
+                    resumes += 1
+                    await self._wait_resumed()
+                    if self.pause_mode == "abort":
+                        await asyncio.sleep(self.work.prefill_s * self.scale)
+        finally:
+            await self._leave(last)
+        return versions, resumes
+
+    async def _enter(self, first: bool) -> None:
+        """A slot, and the request counted in. A request that arrives during a sync waits for its end without
+        holding a slot: in wait mode the sync waits for the trajectories already started, whose later turns go on
+        during it and need slots."""
+        while True:
+            await self.slots.acquire()
+            async with self.state:
+                if not self.paused or (not first and self.pause_mode == "wait"):
+                    self.active += int(first)
+                    break
+            self.slots.release()
+            await self._wait_resumed()
         self.busy.request_started()
 
-    async def _leave(self) -> None:
+    async def _leave(self, last: bool) -> None:
         self.busy.request_finished()
         async with self.state:
-            self.active -= 1
+            self.active -= int(last)
             self.state.notify_all()
+        self.slots.release()
 
     async def _wait_resumed(self) -> None:
         async with self.state:
@@ -185,10 +209,12 @@ class SimGenerate:
         """This replica's share of a validation pass; no sync can start until it is done (pipeline/validate.py)."""
         rows = msg["rows"][msg["to"].index(self.replica) :: len(msg["to"])]
         ids = [f"val-{msg['version']}/{row['prompt_id']}/{i}" for row in rows for i in range(msg["n"])]
-        totals = [self.work.units(self.work.response_length(sid, self.max_tokens)) for sid in ids]
+        lengths = [self.work.response_length(sid, self.max_tokens) for sid in ids]
+        totals = [self.work.units(length) for length in lengths]
         self.holding += int(not msg["parallel"])
         try:
-            done = await asyncio.gather(*(self._generate(total) for total in totals))
+            turns = [len(self.work.turn_tokens(length)) for length in lengths]
+            done = await asyncio.gather(*(self._generate(t, k) for t, k in zip(totals, turns, strict=True)))
         finally:
             async with self.state:
                 self.holding -= int(not msg["parallel"])

@@ -9,7 +9,10 @@ that a run of hours takes seconds. The model, kept small on purpose:
 - an engine runs `slots` sequences at once; a sequence costs `prefill_s`, then `decode_s_per_token` per token
   whatever else runs (a per-sequence rate: batching is free up to `slots`, impossible beyond);
 - a training step costs `train_step_s` per mini-batch plus `train_s_per_token` per response token;
-- a weight sync costs `sync_s` plus `sync_bytes` at `sync_gbps`.
+- a weight sync costs `sync_s` plus `sync_bytes` at `sync_gbps`;
+- a multi-turn response (`turns` > 1, an agent loop calling a tool) is decoded in `turns` near-equal parts with a
+  tool call of `tool_s` between two: the sequence leaves its slot for the call and its next turn is a new request
+  (it queues for a slot and pays `prefill_s` again), as an agent loop's next turn is a new request to its server.
 
 `token_unit` simulated tokens travel as one token of the sample logs, so that 28K-token responses stay cheap
 to move; the per-token versions are exact at that granularity.
@@ -49,6 +52,10 @@ class Workload:
     """Bytes per weight sync (the model's weights)."""
     sync_gbps: float = 10.0
     """Weight-sync bandwidth, GB/s."""
+    turns: int = 1
+    """Assistant turns per response: a multi-turn agent loop with a tool call between two turns."""
+    tool_s: float = 0.0
+    """Seconds per tool call, spent outside the engine's slots."""
     seed: int = 0
     """Seed of the response lengths."""
 
@@ -60,6 +67,8 @@ class Workload:
             "length_sigma": self.length_sigma >= 0,
             "slots": self.slots >= 1,
             "sync_gbps": self.sync_gbps > 0,
+            "turns": self.turns >= 1,
+            "tool_s": self.tool_s >= 0,
         }
         for key, ok in checks.items():
             if not ok:
@@ -72,6 +81,11 @@ class Workload:
         u = (zlib.crc32(f"{self.seed}/{sample_id}".encode()) + 0.5) / 2**32
         mu = math.log(self.length_mean) - self.length_sigma**2 / 2  # the uncapped mean is length_mean
         return max(1, min(max_tokens, round(math.exp(mu + self.length_sigma * NormalDist().inv_cdf(u)))))
+
+    def turn_tokens(self, tokens: int) -> list[int]:
+        """The tokens of each assistant turn of a `tokens`-long response: `turns` near-equal parts, fewer when the
+        response is shorter than that."""
+        return split(tokens, max(1, min(self.turns, tokens)))
 
     def units(self, tokens: int) -> int:
         """Tokens in the sample logs for `tokens` simulated ones."""
@@ -88,6 +102,12 @@ class Workload:
 
     def sync_time_s(self) -> float:
         return self.sync_s + self.transfer_s()
+
+
+def split(total: int, parts: int) -> list[int]:
+    """`total` in `parts` near-equal whole parts, the larger first."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
 
 
 def tail_utilisation(requests: int, mean_len: float, max_len: float, slots: int) -> float:

@@ -59,13 +59,16 @@ def test_sim_times_match_the_closed_forms(run_job):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["abort", "keep"])
-def test_sim_partial_rollout_keeps_every_token_and_passes_the_audit(run_job, mode):
-    # Responses of 40 s (0.8 s of wall) against steps of 32 s: every sync lands in the middle of responses.
+@pytest.mark.parametrize(("mode", "turns"), [("abort", 1), ("keep", 3)])
+def test_sim_partial_rollout_keeps_every_token_and_passes_the_audit(run_job, mode, turns):
+    # Responses of 40 s (0.8 s of wall) against steps of 32 s: every sync lands in the middle of responses; with
+    # 3 turns, also in their tool calls (4 s each), which it does not interrupt.
     summary, run_dir = run_job(
         *COMMON,
         "sim.length_sigma=0.5",
         "sim.length_mean=400",
+        f"sim.turns={turns}",
+        "sim.tool_s=4",
         "sim.train_s_per_token=0.005",
         "async_training.staleness_threshold=1.0",
         "async_training.partial_rollout=true",
@@ -75,9 +78,15 @@ def test_sim_partial_rollout_keeps_every_token_and_passes_the_audit(run_job, mod
     )
     assert summary["audit_ok"], (run_dir / "audit.txt").read_text()
     samples = pds.dataset(str(run_dir / "samples")).to_table().to_pylist()
-    work = Workload(**{**SIM, "length_mean": 400, "length_sigma": 0.5})
+    work = Workload(**{**SIM, "length_mean": 400, "length_sigma": 0.5, "turns": turns, "tool_s": 4})
     for s in samples:  # the workload fixes each response's length: interrupted or not, every token is there once
         assert s["num_tokens"] == work.units(work.response_length(s["sample_id"], 1000))
         assert len(s["token_param_version"]) == s["num_tokens"]
     spanning = [s for s in samples if s["param_version_end"] > s["param_version"]]
-    assert spanning and all(s["num_resumes"] >= 1 for s in spanning)
+    assert spanning and any(s["num_resumes"] >= 1 for s in spanning)
+    # One turn: only an interrupted decode spans versions. With tool calls, a turn may also start after a sync.
+    assert turns > 1 or all(s["num_resumes"] >= 1 for s in spanning)
+    for s in samples:  # besides decoding, each response waited for its tool calls (none with one turn)
+        calls = len(work.turn_tokens(work.response_length(s["sample_id"], 1000))) - 1
+        assert s["gen_latency_s"] >= 0.99 * calls * 4 * 0.02
+    assert turns == 1 or max(s["gen_latency_s"] for s in samples) >= 2 * 4 * 0.02

@@ -6,27 +6,28 @@ from pathlib import Path
 
 import pytest
 
-from bench.calibrate import ASYNC_STEP, COLO_GEN, COLO_STEP
+from bench.calibrate import TABLES
 from bench.modes import colocated_overrides, per_unit, setting
 from pipeline.config import load_config
 from pipeline.sim.des import simulate
 from pipeline.sim.planner import Hardware, candidates, colocated
 
 ROOT = Path(__file__).resolve().parents[2]
-PRESET = ROOT / "conf" / "sim" / "verl_7b_128gpu.yaml"
 
 
-def test_calibrated_preset_reproduces_the_seed_table():
-    base = load_config(PRESET, [])
-    colo = load_config(PRESET, colocated_overrides(base))
+@pytest.mark.parametrize("name", ["7b", "retool"])
+def test_calibrated_preset_reproduces_the_seed_table(name):
+    table = TABLES[name]
+    base = load_config(table.preset, [])
+    colo = load_config(table.preset, colocated_overrides(base, table))
     colo_out = simulate(colo.sim, setting(colo), 24)
-    colo_step = per_unit(colo_out.step_end_s, colo)
+    colo_step = per_unit(colo_out.step_end_s, colo, table)
     async_out = simulate(base.sim, setting(base), 96)
-    async_step = per_unit(async_out.step_end_s, base)
-    assert colo_step == pytest.approx(COLO_STEP, rel=0.05)
+    async_step = per_unit(async_out.step_end_s, base, table)
+    assert colo_step == pytest.approx(table.colo_step, rel=0.05)
     gen = colo_step - colo.sim.sync_s - colo_out.train_s / 24
-    assert gen == pytest.approx(COLO_GEN, rel=0.05)
-    assert async_step == pytest.approx(ASYNC_STEP, rel=0.10)  # verl: 150.63 s per 512 prompts
+    assert gen == pytest.approx(table.colo_gen, rel=0.05)
+    assert async_step == pytest.approx(table.async_step, rel=0.10)  # 7b: verl's 150.63 s per 512 prompts
 
 
 def _toy(*extra: str):

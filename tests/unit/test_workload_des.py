@@ -80,3 +80,34 @@ def test_tail_utilisation_and_bubble_bound():
     # 100 requests of mean 10, longest 100, 10 slots: 1000 / (1000 + 10 x 90)
     assert tail_utilisation(100, 10, 100, 10) == pytest.approx(1000 / 1900)
     assert math.isclose(bubble_bound(5, 5, 0, 0.5), 1.5)
+
+
+def test_a_multi_turn_response_pays_its_tool_calls_and_a_prefill_per_turn():
+    # 4 turns of 25 tokens and 3 tool calls of 5 s: generation 4 x (1 + 2.5) + 3 x 5 = 29 s instead of 11 s.
+    w = Workload(**{**WORK.__dict__, "turns": 4, "tool_s": 5.0})
+    assert w.turn_tokens(100) == [25, 25, 25, 25] and w.turn_tokens(2) == [1, 1] and w.turn_tokens(7)[:3] == [2, 2, 2]
+    gen = 4 * (1 + 25 * 0.1) + 3 * 5.0
+    out = simulate(w, _setting(0.0), steps=5)
+    assert out.wall_s == pytest.approx(5 * (gen + TRAIN + SYNC))
+    # The engine is busy only while a turn decodes: the tool calls leave it idle.
+    assert out.rollouter_idle_ratio == pytest.approx(1 - 5 * 4 * (1 + 2.5) / out.wall_s)
+    with pytest.raises(ValueError, match="sim.turns"):
+        Workload(turns=0)
+
+
+def test_the_slots_a_tool_call_frees_serve_other_requests():
+    # 16 slots for 32 responses of 2 turns of 5 s (no prefill) and tool calls of 5 s: while one half calls its
+    # tool, the other half decodes, so generation takes 4 turns of 5 s; holding the slots through the calls would
+    # take 2 x (5 + 5 + 5) = 30 s.
+    w = Workload(length_mean=100, decode_s_per_token=0.1, train_s_per_token=0.01, slots=16, turns=2, tool_s=5.0)
+    out = simulate(w, _setting(0.0, slots=16), steps=3)
+    assert out.wall_s == pytest.approx(3 * (4 * 5.0 + TRAIN))
+
+
+def test_a_wait_sync_drains_whole_trajectories_and_partial_rollout_does_not():
+    # 2 turns of 200 tokens (20 s each) and a tool call of 10 s: 50 s per response, against 8 s steps.
+    w = Workload(length_mean=400, decode_s_per_token=0.1, train_s_per_token=0.000625, slots=64, turns=2, tool_s=10)
+    wait = simulate(w, _setting(1.0, k=1, mode="wait"), steps=12)
+    keep = simulate(w, _setting(1.0, k=1, mode="keep"), steps=12)
+    assert wait.steps == keep.steps == 12
+    assert keep.wall_s < wait.wall_s  # the syncs freeze turns in flight instead of waiting for both turns
