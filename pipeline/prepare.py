@@ -46,7 +46,7 @@ class RunContext:
     stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
     clock: Any = None  # the actors this attempt started, ended with it on a cluster that outlives the run
     trainer: Any = None
-    trainer_nodes: Any = None  # the placement group of a trainer over several nodes (pipeline/trainer_launch.py)
+    trainer_group: Any = None  # the placement group of a trainer over several nodes (pipeline/trainer_launch.py)
     placement: Placement = Placement()  # where the actors go (ray.placement), checked against the cluster
 
     @property
@@ -96,8 +96,8 @@ class RunContext:
             for actor in (self.trainer, self.clock):
                 if actor is not None:
                     ray.kill(actor)
-            if self.trainer_nodes is not None:
-                ray.util.remove_placement_group(self.trainer_nodes)
+            if self.trainer_group is not None:
+                ray.util.remove_placement_group(self.trainer_group)
 
     def shutdown(self) -> None:
         """Stop the stream, then Ray; a monitor still open here means the run did not reach its summary: mark it

@@ -106,7 +106,7 @@ def _reserve_nodes(ctx: RunContext) -> RankPlacement | None:
             f"{RESERVE_TIMEOUT_S:g} s: other jobs hold them, or nodes left the cluster. Nodes: "
             f"{[n['Resources'] for n in ray.nodes() if n.get('Alive')]}"
         )
-    ctx.trainer_nodes = group
+    ctx.trainer_group = group
     return RankPlacement(group, trainer_ranks(ctx.cfg) // nodes)
 
 
