@@ -43,7 +43,7 @@ def modes(base: RunConfig, table: Table) -> dict[str, list[str]]:
     }
 
 
-def colocated_overrides(cfg_async: RunConfig, table: Table = TABLES["7b"]) -> list[str]:
+def colocated_overrides(cfg_async: RunConfig, table: Table) -> list[str]:
     """All the GPUs generate, then all train: twice the slots, the colocated trainer (old_log_prob + update_actor
     over the same tokens) and the rest of the colocated step as the switch."""
     per_token = cfg_async.sim.train_s_per_token * table.colo_train / table.async_train
@@ -70,7 +70,7 @@ def setting(cfg: RunConfig) -> Setting:
     return Setting(StalenessBudget.from_config(cfg), ro.n, cfg.data.max_response_length, slots, in_engine, mode)
 
 
-def windows(step_end: list[float], cfg: RunConfig, table: Table = TABLES["7b"]) -> list[float]:
+def windows(step_end: list[float], cfg: RunConfig, table: Table) -> list[float]:
     """Seconds per colocated step's prompts of each sync window but the first (start-up) and the last (drain)."""
     k, b = cfg.async_training.trigger_parameter_sync_step, StalenessBudget.from_config(cfg).required_samples
     ends = step_end[k - 1 :: k]  # the last step of each window
@@ -80,7 +80,7 @@ def windows(step_end: list[float], cfg: RunConfig, table: Table = TABLES["7b"]) 
     return [(after - before) / per for before, after in zip(ends[:-2], ends[1:-1], strict=True)]
 
 
-def per_unit(step_end: list[float], cfg: RunConfig, table: Table = TABLES["7b"]) -> float:
+def per_unit(step_end: list[float], cfg: RunConfig, table: Table) -> float:
     measured = windows(step_end, cfg, table)
     return sum(measured) / len(measured)
 

@@ -16,6 +16,8 @@ import ray
 
 from pipeline.config import ConfigError
 from pipeline.config.placement import (
+    describe_nodes,
+    describe_resources,
     megatron_data_parallel_size,
     trainer_bundle,
     trainer_nodes,
@@ -101,10 +103,11 @@ def _reserve_nodes(ctx: RunContext) -> RankPlacement | None:
     ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
     if not ready:
         remove_placement_group(group)
+        nodes_now = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         raise ConfigError(
-            f"the trainer's {nodes} nodes (trainer.nnodes={nodes}), each with {bundle}, were not free after "
-            f"{RESERVE_TIMEOUT_S:g} s: other jobs hold them, or nodes left the cluster. Nodes: "
-            f"{[n['Resources'] for n in ray.nodes() if n.get('Alive')]}"
+            f"the trainer's {nodes} nodes (trainer.nnodes={nodes}), each holding {describe_resources(bundle)}, were "
+            f"not free after {RESERVE_TIMEOUT_S:g} s: other jobs hold them, or nodes left the cluster. Nodes: "
+            f"{describe_nodes(nodes_now)}"
         )
     ctx.trainer_group = group
     return RankPlacement(group, trainer_ranks(ctx.cfg) // nodes)

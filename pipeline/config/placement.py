@@ -193,7 +193,7 @@ def check(groups: list[Group], nodes: list[Mapping[str, float]]) -> str | None:
         problems += too_big
         short = [r for r in ("CPU", "GPU") if sum(g.total(r) for g in bound) > _sum(pool, r) + 1e-9]
         if short and not too_big:
-            asked = ", ".join(f"{g.count} x {g.name} ({_resources(g.bundle)})" for g in bound)
+            asked = ", ".join(f"{g.count} x {g.name} ({describe_resources(g.bundle)})" for g in bound)
             where = _where(on) or "the cluster"
             need = ", ".join(f"{sum(g.total(r) for g in bound):g} {r}" for r in short)
             have = ", ".join(f"{_sum(pool, r):g} {r}" for r in short)
@@ -201,8 +201,9 @@ def check(groups: list[Group], nodes: list[Mapping[str, float]]) -> str | None:
     if not problems:
         return None
     keys = sorted({k for _, ks in problems for k in ks.split(", ") if k})
+    what = "; ".join(p for p, _ in problems)
     return (
-        f"the Ray cluster cannot place this layout: {'; '.join(p for p, _ in problems)}. Nodes: {_describe(nodes)}. "
+        f"the Ray cluster cannot place this layout: {what}. Nodes: {describe_nodes(nodes)}. "
         f"Change {', '.join(keys)}, or add nodes; ray.placement=anywhere places the actors without the node markers"
     )
 
@@ -212,9 +213,9 @@ def _fits_one_node(group: Group, pool: list[Mapping[str, float]]) -> tuple[str, 
     if not need or any(all(n.get(r, 0.0) + 1e-9 >= v for r, v in need.items()) for n in pool):
         return None
     if group.on == HEAD:
-        return f"{_a(group.name)} needs {_resources(need)} on the head, which has less", group.keys
+        return f"{_a(group.name)} needs {describe_resources(need)} on the head, which has less", group.keys
     where = f" with `{group.on}`" if group.on else ""
-    return f"{_a(group.name)} needs {_resources(need)} on one node{where}, and none has that much", group.keys
+    return f"{_a(group.name)} needs {describe_resources(need)} on one node{where}, and none has that much", group.keys
 
 
 def _spreads(group: Group, pool: list[Mapping[str, float]]) -> tuple[str, str] | None:
@@ -224,7 +225,7 @@ def _spreads(group: Group, pool: list[Mapping[str, float]]) -> tuple[str, str] |
     if not group.spread or len(fit) >= group.count:
         return None
     where = f" with `{group.on}`" if group.on else ""
-    holds = f" that hold {_resources(need)} each" if need else ""
+    holds = f" that hold {describe_resources(need)} each" if need else ""
     return f"{group.count} x {group.name} need {group.count} nodes{where}{holds}, and there are {len(fit)}", group.keys
 
 
@@ -248,11 +249,11 @@ def _where(on: str) -> str:
     return "" if not on else "the head" if on == HEAD else f"nodes with `{on}`"
 
 
-def _resources(r: Mapping[str, float]) -> str:
+def describe_resources(r: Mapping[str, float]) -> str:
     shown = {k: v for k, v in r.items() if k in ("CPU", "GPU") or not k.startswith(_UNSHOWN + ("node:",))}
     shown = {k: v for k, v in shown.items() if k in ("CPU", "GPU") or v >= 1}  # an actor's marker share is noise
     return ", ".join(f"{v:g} {k}" for k, v in sorted(shown.items())) or "0 CPU"
 
 
-def _describe(nodes: list[Mapping[str, float]]) -> str:
-    return "; ".join(f"{'head' if HEAD in n else f'node {i}'}: {_resources(n)}" for i, n in enumerate(nodes, 1))
+def describe_nodes(nodes: list[Mapping[str, float]]) -> str:
+    return "; ".join(f"{'head' if HEAD in n else f'node {i}'}: {describe_resources(n)}" for i, n in enumerate(nodes, 1))
