@@ -19,10 +19,10 @@ from pipeline.finish import finish_run, interrupted, restart_or_raise
 from pipeline.observe.faults import FaultLog
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import RunContext, prepare
-from pipeline.stream import build_stream, configure_data_context, step_transform
+from pipeline.stream import build_stream, configure_data_context, placement, step_transform
 from pipeline.trainer_launch import start_trainer
 from pipeline.validate import make_validator
-from stages.handoff import ByReference
+from stages.handoff import ByReference, TokenTables
 from stages.sink import TrainingSink
 from stages.staleness import StalenessBudget, mode_name
 
@@ -48,9 +48,12 @@ def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
     clock = ctx.start_clock(budget)
     trainer = ctx.trainer = start_trainer(ctx)
     configure_data_context(cfg.ray.no_progress_timeout_s)
-    stream = build_stream(cfg, ctx.source, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle, ctx.start_version)
+    tables = TokenTables.start(placement(cfg).head_resources())  # holds per-token tables until the driver takes them
+    stream = build_stream(
+        cfg, ctx.source, str(ctx.model_dir), str(ctx.run_dir), ctx.clock_handle, tables, ctx.start_version
+    )
     sink = TrainingSink(
-        ByReference(stream),  # the driver fetches the light columns; the trainer fetches the per-token ones
+        ByReference(stream, tables),  # the driver fetches the light columns; the trainer fetches the per-token ones
         budget,
         cfg.rollout.n,
         str(ctx.run_dir / "consumed"),

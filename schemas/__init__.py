@@ -9,6 +9,7 @@ from schemas.sample import (
     PER_TOKEN_COLUMNS,
     REQUIRED_COLUMNS,
     SAMPLE_SCHEMA,
+    TOKEN_TABLE_COLUMNS,
     MissingColumnsError,
     require_columns,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "END_OF_STREAM",
     "PER_TOKEN_COLUMNS",
     "SAMPLE_SCHEMA",
+    "TOKEN_TABLE_COLUMNS",
     "REQUIRED_COLUMNS",
     "MissingColumnsError",
     "require_columns",

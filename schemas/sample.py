@@ -169,6 +169,9 @@ OPTIONAL_COLUMNS = tuple(c.name for c in REFERENCE_COLUMNS + ROUTING_COLUMNS + R
 PER_TOKEN_COLUMNS = tuple(
     f.name for f in SAMPLE_SCHEMA if pa.types.is_list(f.type) or f.name in ("prompt_text", "response_text")
 )
+# The hand-off's columns on the light rows the stream delivers (stages/handoff.py): the key of the per-token table in
+# the object store that holds the rest of each row, and that table's rows and bytes.
+TOKEN_TABLE_COLUMNS = ("token_table", "token_table_rows", "token_table_bytes")
 # What a stage that takes "every column" requires: all but the optional ones.
 REQUIRED_COLUMNS = tuple(n for n in SAMPLE_SCHEMA.names if n not in OPTIONAL_COLUMNS)
 # The sink's consumption log: one row per trained trajectory, joined to the sample log by sample_id.

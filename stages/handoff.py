@@ -2,14 +2,21 @@
 
 At the seed's scale a step is 2,048 responses of up to 28K tokens, each with its logprobs, token versions, mask,
 advantages (and MoE routes): about a gigabyte. The driver needs none of it: the sink's staleness rules, the
-consumption log and the step's metrics read scalar columns only. So every block the stream delivers is split by a
-Ray task beside it (`split_block`): the scalar columns come to the driver, the per-token columns
-(schemas.PER_TOKEN_COLUMNS, with `sample_id` to join them back) stay in Ray's object store as one table, owned by
-the driver, which holds only its reference. A step is sent to the trainer as `StepRows`: each mini-batch's light
-rows and the references of the tables holding the rest. The trainer fetches them itself, from the nodes that hold
-them (`StepRows.resolve`), joins them by sample_id, and runs the step's transform (reinforce_plus_plus's whitening
-reads token advantages) over the whole step, as the sink did when it held everything. A table's object is freed when
-the driver drops the last group that refers to it.
+consumption log and the step's metrics read scalar columns only. So the stream's last stage (`SplitTokens`, an actor
+pool into which Ray Data fuses the reward, advantage and sample-log tasks) puts the per-token columns
+(schemas.PER_TOKEN_COLUMNS, with `sample_id` to join them back) into Ray's object store as one table, on its own
+node, and sends on the light columns with the table's key. It hands the table's reference to `TokenTables`, a small
+actor of the driver's, from which the driver takes it when the light block arrives (`ByReference`, one call per
+bundle). A step is sent to the trainer as `StepRows`: each mini-batch's light rows and the references of the tables
+holding the rest. The trainer fetches them itself, from the nodes that hold them (`StepRows.resolve`), joins them by
+sample_id, and runs the step's transform (reinforce_plus_plus's whitening reads token advantages) over the whole
+step, as the sink did when it held everything. A table's object is freed when the driver drops the last group that
+refers to it.
+
+The stage is an actor because a table lives as long as the process that put it (its owner) and the references to
+it: a task's worker would not keep it, and Ray (2.56+) no longer lets a task name another owner. The split used to
+be a Ray task of the driver's per block: a round trip of about 0.1 s on 2 cores, serial in the driver, which at one
+prompt per block held the stream under 90 samples/s (bench.overhead).
 
 Ray Data's `iter_batches` would fetch every block whole into the driver; the stream is consumed here through its
 bundle iterator instead (`ByReference`), which hands over block references without fetching them.
@@ -17,23 +24,73 @@ bundle iterator instead (`ByReference`), which hands over block references witho
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from schemas import PER_TOKEN_COLUMNS, REQUIRED_COLUMNS, require_columns
+from schemas import PER_TOKEN_COLUMNS, REQUIRED_COLUMNS, TOKEN_TABLE_COLUMNS, require_columns
 
 KEY = "sample_id"  # joins a light row to its per-token columns
+TABLE, TABLE_ROWS, TABLE_BYTES = TOKEN_TABLE_COLUMNS  # which per-token table holds a row's columns, its rows, bytes
 
 
-def split_block(block: pa.Table) -> tuple[pa.Table, int, pa.Table]:
-    """(light columns, bytes of the per-token ones, the per-token ones keyed by sample_id). Runs as a Ray task
-    beside the block, so only the light table travels to the driver."""
-    require_columns(block, REQUIRED_COLUMNS, "TrainingSink")
-    heavy = [c for c in block.column_names if c in PER_TOKEN_COLUMNS]
-    per_token = block.select([KEY, *heavy])
-    return block.drop_columns(heavy), per_token.nbytes, per_token
+class TokenTables:
+    """Where the split stage leaves each per-token table's reference for the driver to take (a Ray actor, started
+    by `start`). An object lives while any process holds its reference, so from the take on, the driver alone
+    decides how long the table lives."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list] = {}
+
+    @staticmethod
+    def start(resources: dict[str, float] | None = None):
+        import ray
+
+        # No CPU: it answers two short calls per block; a reserved CPU would be one fewer for the stages.
+        return ray.remote(TokenTables).options(num_cpus=0, resources=resources or {}).remote()
+
+    def keep(self, key: str, ref: list) -> None:
+        self.tables[key] = ref  # in a list: an ObjectRef passed bare would be fetched here
+
+    def take(self, keys: list[str]) -> list[list]:
+        missing = [k for k in keys if k not in self.tables]
+        if missing:
+            raise KeyError(f"per-token tables {missing[:3]} were never kept or were taken already")
+        return [self.tables.pop(k) for k in keys]
+
+    def held(self) -> int:
+        return len(self.tables)
+
+
+class SplitTokens:
+    """The stream's last stage, an actor that also scores and logs the block: per-token columns to the object store.
+
+    Input columns:  every required column of schemas.SAMPLE_SCHEMA (the optional ones when present)
+    Output columns: the input's light columns (all but schemas.PER_TOKEN_COLUMNS) + schemas.TOKEN_TABLE_COLUMNS
+    """
+
+    def __init__(self, tables) -> None:
+        self.tables = tables  # the TokenTables actor
+
+    def __call__(self, block: pa.Table) -> pa.Table:
+        import ray
+
+        require_columns(block, REQUIRED_COLUMNS, "TrainingSink")  # checked whole here; the sink sees light rows
+        heavy = [c for c in block.column_names if c in PER_TOKEN_COLUMNS]
+        light = block.drop_columns(heavy)
+        if block.num_rows == 0:
+            key, rows, size = "", 0, 0
+        else:
+            per_token = block.select([KEY, *heavy])
+            key, rows, size = uuid.uuid4().hex, per_token.num_rows, per_token.nbytes
+            # Kept before the block goes on, so the driver finds it; this actor stays its owner.
+            ray.get(self.tables.keep.remote(key, [ray.put(per_token)]))
+        n = block.num_rows
+        light = light.append_column(TABLE, pa.array([key] * n, pa.string()))
+        light = light.append_column(TABLE_ROWS, pa.array([rows] * n, pa.int64()))
+        return light.append_column(TABLE_BYTES, pa.array([size] * n, pa.int64()))
 
 
 @dataclass
@@ -46,17 +103,17 @@ class Delivered:
 
 
 class ByReference:
-    """Iterate a Ray Data dataset's blocks as `Delivered` (light table + reference), fetching only the light part."""
+    """Iterate a Ray Data dataset's blocks as `Delivered` (light table + reference), fetching only the light part.
+    The dataset's last stage is `SplitTokens(tables)`."""
 
-    def __init__(self, dataset) -> None:
-        import ray
-
+    def __init__(self, dataset, tables) -> None:
         # The bundle iterator with its executor, so that close() can stop the stream (Ray Data's public
         # iter_internal_ref_bundles drops the executor: it would run on until garbage-collected).
         self.bundles, _, self.executor = dataset._execute_to_iterator(capture_executor=False)
-        # num_cpus=0: a split is a column selection and a copy into the object store; a task holding a CPU could
-        # wait behind the stages on a 2-core box. Ray schedules it where its block is.
-        self.split = ray.remote(split_block).options(num_returns=3, num_cpus=0)
+        self.tables = tables
+        # Ray Data may cut one task's output into several blocks: a table's reference is kept here until every one
+        # of its rows has been delivered.
+        self.partial: dict[str, tuple[object, int]] = {}  # key -> (reference, rows still to come)
         self.delivered = self._deliver()
 
     def __iter__(self) -> Iterator[Delivered]:
@@ -69,10 +126,40 @@ class ByReference:
         import ray
 
         for bundle in self.bundles:
-            for entry in bundle.blocks:
-                light_ref, size_ref, heavy_ref = self.split.remote(entry.ref)
-                light, size = ray.get([light_ref, size_ref])
-                yield Delivered(light, heavy_ref, size)
+            blocks = [b for b in ray.get([entry.ref for entry in bundle.blocks]) if b.num_rows]
+            for block in blocks:
+                require_columns(block, TOKEN_TABLE_COLUMNS, "the hand-off (make stages.handoff.SplitTokens the last)")
+            keys = list(
+                dict.fromkeys(k for b in blocks for k in b[TABLE].unique().to_pylist() if k not in self.partial)
+            )
+            if keys:
+                taken = ray.get(self.tables.take.remote(keys))
+                for key, ref, rows in zip(keys, taken, self._rows(blocks, keys), strict=True):
+                    self.partial[key] = (ref[0], rows)
+            for block in blocks:
+                yield from self._split_by_table(block)
+
+    @staticmethod
+    def _rows(blocks: list[pa.Table], keys: list[str]) -> list[int]:
+        first = {}
+        for b in blocks:
+            for key, rows in zip(b[TABLE].to_pylist(), b[TABLE_ROWS].to_pylist(), strict=True):
+                first.setdefault(key, rows)
+        return [first[k] for k in keys]
+
+    def _split_by_table(self, block: pa.Table) -> Iterator[Delivered]:
+        import pyarrow.compute as pc
+
+        keys = block[TABLE].unique().to_pylist()
+        for key in keys:
+            part = block if len(keys) == 1 else block.filter(pc.equal(block[TABLE], key))
+            ref, left = self.partial[key]
+            size = part[TABLE_BYTES][0].as_py() * part.num_rows // max(part[TABLE_ROWS][0].as_py(), 1)
+            if left <= part.num_rows:
+                del self.partial[key]  # every row delivered: the groups hold the reference from here
+            else:
+                self.partial[key] = (ref, left - part.num_rows)
+            yield Delivered(part.drop_columns(list(TOKEN_TABLE_COLUMNS)), ref, size)
 
     def close(self) -> None:
         """Stop the stream's executor and its stage actors (as Ray Data does for an iterator it abandons)."""

@@ -116,7 +116,7 @@ class TrainingSink:
         if isinstance(delivered, pa.Table):
             delivered = Delivered(delivered)
         block = delivered.light
-        # A split block was checked whole beside its data (stages.handoff.split_block).
+        # A split block was checked whole beside its data (stages.handoff.SplitTokens).
         require_columns(block, REQUIRED_COLUMNS if delivered.ref is None else LIGHT_REQUIRED, "TrainingSink")
         ids = block.column("prompt_id").to_pylist()
         for pid in dict.fromkeys(ids):

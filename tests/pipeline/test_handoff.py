@@ -1,5 +1,6 @@
 """The hand-off on a real Ray: a dataset's blocks reach the sink without their per-token columns, and the trainer side
-gets back exactly the rows the stream produced, joined by sample_id, with the step transform over the whole step."""
+gets back exactly the rows the stream produced, joined by sample_id, with the step transform over the whole step;
+also when Ray Data cuts a split block into several (each row its own block)."""
 
 import numpy as np
 import pyarrow as pa
@@ -8,7 +9,7 @@ import pytest
 
 from schemas import PER_TOKEN_COLUMNS, SAMPLE_SCHEMA
 from stages.advantage import whiten_step
-from stages.handoff import ByReference, StepRows
+from stages.handoff import ByReference, SplitTokens, StepRows, TokenTables
 from stages.sink import TrainingSink
 from stages.staleness import StalenessBudget
 
@@ -42,13 +43,31 @@ def _group(pid: str, version: int, rng) -> pa.Table:
     return pa.table(cols, schema=SAMPLE_SCHEMA)
 
 
+def _split(ray, blocks: list[pa.Table], tables):
+    """The blocks through the stream's last stage."""
+    return ray.data.from_arrow(blocks).map_batches(
+        SplitTokens,
+        fn_constructor_kwargs={"tables": tables},
+        batch_size=None,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=1),
+    )
+
+
 def test_the_driver_gets_the_light_columns_and_the_trainer_the_same_rows(ray_session, tmp_path):
     ray = ray_session
     rng = np.random.default_rng(0)
     blocks = [pa.concat_tables([_group(f"p{b}{g}", b, rng) for g in range(2)]) for b in range(3)]
-    dataset = ray.data.from_arrow(blocks)
+    tables = TokenTables.start()
     budget = StalenessBudget(0.0, 1, 1, 4)  # a step of 4 prompts, from blocks of 2
-    sink = TrainingSink(ByReference(dataset), budget, N, str(tmp_path / "consumed"), lambda v: 0, whiten_step)
+    sink = TrainingSink(
+        ByReference(_split(ray, blocks, tables), tables),
+        budget,
+        N,
+        str(tmp_path / "consumed"),
+        lambda v: 0,
+        whiten_step,
+    )
     step = sink.next_step(version=0, steps_left_after_this=0)
     sink.close()
     assert not set(PER_TOKEN_COLUMNS) & set(step.table.column_names)  # nothing per token crossed the driver
@@ -73,3 +92,23 @@ def test_the_driver_gets_the_light_columns_and_the_trainer_the_same_rows(ray_ses
                 assert mb[name][i] == pytest.approx(by_id[sid][name]), (sid, name)
             # whitened over the whole step's tokens, not the mini-batch's
             assert mb["token_advantages"][i] == pytest.approx(by_id[sid]["token_advantages"], abs=1e-5)
+
+
+def test_a_block_cut_in_rows_is_joined_from_its_one_table(ray_session):
+    ray = ray_session
+    rng = np.random.default_rng(1)
+    blocks = [pa.concat_tables([_group(f"p{b}{g}", b, rng) for g in range(2)]) for b in range(3)]
+    tables = TokenTables.start()
+    reader = ByReference(_split(ray, blocks, tables).repartition(target_num_rows_per_block=1), tables)
+    delivered = list(reader)
+    reader.close()
+    assert [d.light.num_rows for d in delivered] == [1] * 12  # Ray Data cut every split block into rows
+    assert len({d.ref for d in delivered}) == 3  # one table per split block, taken once
+    assert not reader.partial and ray.get(tables.held.remote()) == 0  # nothing left behind once every row came
+    rows = StepRows([d.light for d in delivered], [[d.ref] for d in delivered]).resolve()
+    original = {r["sample_id"]: r for r in pa.concat_tables(blocks).to_pylist()}
+    assert sorted(r["sample_id"][0] for r in rows) == sorted(original)
+    for mb in rows:
+        sid = mb["sample_id"][0]
+        assert mb["response_ids"][0] == original[sid]["response_ids"]
+        assert mb["token_param_version"][0] == original[sid]["token_param_version"]

@@ -293,3 +293,17 @@ def test_sample_log_writes_every_column(tmp_path):
     assert len(shards) == 1
     written = pq.read_table(shards[0])
     assert written.schema == SAMPLE_SCHEMA and written["token_param_version"].to_pylist() == [[0, 1]]
+
+
+def test_ray_data_still_waits_on_the_constant_the_stream_shortens():
+    """pipeline.stream sets Ray Data's scheduling wait by its module-level name; a Ray that renamed it would
+    silently bring back 0.1 s per hop."""
+    import inspect
+
+    from ray.data._internal.execution import streaming_executor_state
+
+    from pipeline.stream import SCHEDULING_WAIT_S, configure_data_context
+
+    assert "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S" in inspect.getsource(streaming_executor_state.process_completed_tasks)
+    configure_data_context(-1)
+    assert streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S == SCHEDULING_WAIT_S
