@@ -69,7 +69,6 @@ def test_the_driver_gets_the_light_columns_and_the_trainer_the_same_rows(ray_ses
         whiten_step,
     )
     step = sink.next_step(version=0, steps_left_after_this=0)
-    sink.close()
     assert not set(PER_TOKEN_COLUMNS) & set(step.table.column_names)  # nothing per token crossed the driver
     assert step.heavy_bytes > 5 * step.driver_bytes
 
@@ -81,6 +80,7 @@ def test_the_driver_gets_the_light_columns_and_the_trainer_the_same_rows(ray_ses
         return rows.resolve()
 
     got = ray.get(trainer_side.remote(minibatches))
+    sink.close()  # after the fetch: closing the stream ends the split actors, which own the tables
     chosen = [sid for t in minibatches.minibatches for sid in t["sample_id"].to_pylist()]
     everything = pa.concat_tables(blocks)
     original = whiten_step(everything.filter(pc.is_in(everything["sample_id"], pa.array(chosen))))
@@ -101,11 +101,11 @@ def test_a_block_cut_in_rows_is_joined_from_its_one_table(ray_session):
     tables = TokenTables.start()
     reader = ByReference(_split(ray, blocks, tables).repartition(target_num_rows_per_block=1), tables)
     delivered = list(reader)
-    reader.close()
     assert [d.light.num_rows for d in delivered] == [1] * 12  # Ray Data cut every split block into rows
     assert len({d.ref for d in delivered}) == 3  # one table per split block, taken once
     assert not reader.partial and ray.get(tables.held.remote()) == 0  # nothing left behind once every row came
     rows = StepRows([d.light for d in delivered], [[d.ref] for d in delivered]).resolve()
+    reader.close()
     original = {r["sample_id"]: r for r in pa.concat_tables(blocks).to_pylist()}
     assert sorted(r["sample_id"][0] for r in rows) == sorted(original)
     for mb in rows:
