@@ -25,7 +25,7 @@ from ray.data._internal.execution import streaming_executor_state
 from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, check_signature, import_target, stage_kwargs
-from pipeline.config.placement import Placement, engine_gpus, layout
+from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, split_actors
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
 from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
@@ -252,18 +252,18 @@ def build_stream(
         )
     # Ray Data fuses these three task stages into the split stage's actors: one call per block. An actor, not a task:
     # the per-token tables it puts in the object store live as long as the process that put them (stages/handoff.py).
-    ds = ds.map_batches(reward_cls(**reward_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
-    ds = ds.map_batches(adv_cls(**adv_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
-    ds = ds.map_batches(SampleLog(f"{run_dir}/samples"), batch_size=None, batch_format="pyarrow", num_cpus=0.25)
+    # (Fused only with equal resources: the same num_cpus on all four.)
+    ds = ds.map_batches(reward_cls(**reward_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=SPLIT_CPUS)
+    ds = ds.map_batches(adv_cls(**adv_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=SPLIT_CPUS)
+    ds = ds.map_batches(SampleLog(f"{run_dir}/samples"), batch_size=None, batch_format="pyarrow", num_cpus=SPLIT_CPUS)
     return ds.map_batches(
         SplitTokens,
         fn_constructor_kwargs={"tables": tables},
         batch_size=None,
         batch_format="pyarrow",
-        num_cpus=0.25,
-        # A fixed pool, as many as the engines and at least two: an autoscaling pool retires idle actors, and the
-        # tables they put would go with them.
-        compute=ActorPoolStrategy(size=max(2, ro.num_replicas)),
+        num_cpus=SPLIT_CPUS,
+        resources=where.rollout_resources(),  # beside the engines
+        compute=ActorPoolStrategy(size=split_actors(cfg)),  # fixed: see split_actors
     )
 
 

@@ -27,6 +27,7 @@ SHARE = 0.001
 HEAD = "node:__internal_head__"
 VLLM = "stages.generate.VLLMGenerate"
 CPUS, HEAD_CPUS = "ray.num_cpus (a local Ray) or the nodes' --num-cpus", "the head's --num-cpus"
+SPLIT_CPUS = 0.25  # each of the split stage's actors (stream.py), and each of the task stages fused into it
 # Resources the driver never asks for: not worth listing in a message.
 _UNSHOWN = ("memory", "object_store_memory", "accelerator_type:")
 
@@ -75,6 +76,13 @@ def engine_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
             f"ray.gpus_per_engine={per_rank:g} asks for {per_rank:g} GPU per rank: set ray.gpus_per_engine=1"
         )
     return tp * per_rank
+
+
+def split_actors(cfg: RunConfig) -> int:
+    """The stream's last stage's actors (stages.handoff.SplitTokens, with reward, advantage and sample log fused in):
+    as many as the engines, at least two, on the rollout nodes, so that a block is scored and split beside the engine
+    that made it. A fixed pool, not autoscaled: a retired actor would take the per-token tables it put with it."""
+    return max(2, cfg.rollout.num_replicas)
 
 
 def trainer_ranks(cfg: RunConfig) -> int:
@@ -158,7 +166,9 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
             else "rollout.num_replicas",
         ),
         _group("staleness gate", 1, {"CPU": 0.1}, placement.head_resources(), HEAD_CPUS if placement.head else CPUS),
-        _group("stream task", 1, {"CPU": 0.25}, {}, CPUS),
+        _group(
+            "split stage", split_actors(cfg), {"CPU": SPLIT_CPUS}, placement.rollout_resources(), "rollout.num_replicas"
+        ),
     ]
     if reference:
         groups.append(_group("reference model", 1, {"CPU": 0.5}, {}, "actor.use_kl_loss, algorithm.use_kl_in_reward"))
