@@ -105,10 +105,11 @@ def _replica(run: Run, index: int, generation: int) -> dict | None:
 
 @pytest.mark.slow
 def test_dead_replica_and_dead_engine_are_replaced_and_nothing_is_lost(tmp_path):
-    # 448 prompts at 8 per step: 56 steps, a sync every step. Long enough for the second replica to be back before
-    # the end: a replica whose engine dies while idle has no prompt in flight to hold the stream up, and the other
-    # replica alone finishes the run at about a step a second.
-    run = Run(tmp_path, "engines", "rollout.total_rollout_steps=448", "rollout.num_replicas=2")
+    # 896 prompts at 8 per step: 112 steps, a sync every step. Long enough for each replica to be back before the
+    # end: a replica whose engine dies while idle has no prompt in flight to hold the stream up, and the other
+    # replica alone goes on at a step every 1-2 s, while a restart (vLLM's start on a loaded 2-core machine) takes
+    # up to about 100 s.
+    run = Run(tmp_path, "engines", "rollout.total_rollout_steps=896", "rollout.num_replicas=2")
     run.wait_for(lambda: run.steps() >= 5 and _replica(run, 0, 0))
     os.kill(_replica(run, 0, 0)["pid"], signal.SIGKILL)  # the Generate actor's process
     run.wait_for(lambda: _replica(run, 0, 1))  # back, as the same replica
@@ -125,7 +126,7 @@ def test_dead_replica_and_dead_engine_are_replaced_and_nothing_is_lost(tmp_path)
     assert [e["replica"] for e in events] == [0, 1]
     assert "actor process" in events[0]["cause"] and "vLLM engine died" in events[1]["cause"]
     metrics = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 57))  # every step, each once
+    assert [m["step"] for m in metrics] == list(range(1, 113))  # every step, each once
     assert metrics[-1]["fault/engine_restarts"] == 2
     assert metrics[-1]["fault/readmitted_prompts"] == sum(e["readmitted_prompts"] for e in events)
     report = audit(run.dir)  # every admitted prompt trained exactly once; every token's version within bounds
