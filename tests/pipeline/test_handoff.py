@@ -2,6 +2,7 @@
 gets back exactly the rows the stream produced, joined by sample_id, with the step transform over the whole step;
 also when Ray Data cuts a split block into several (each row its own block)."""
 
+import asyncio
 import itertools
 
 import numpy as np
@@ -46,14 +47,40 @@ def _group(pid: str, version: int, rng) -> pa.Table:
 
 
 def _split(ray, blocks: list[pa.Table], tables):
-    """The blocks through the stream's last stage."""
-    return ray.data.from_arrow(blocks).map_batches(
+    """The blocks through the stream's last stage, and the actor that keeps that stream open until it is set.
+
+    A run's stream stays open until its trainer is done (the gate holds its end marker), and with it the split
+    actors, which own the per-token tables. A finite dataset would end at once and take them down before the
+    tables are fetched: an empty block that comes only once released keeps it open the same way."""
+
+    class Release:  # defined here, so that Ray ships it by value: the workers do not import the tests
+        def __init__(self) -> None:
+            self.event = asyncio.Event()
+
+        async def wait(self) -> None:
+            await self.event.wait()
+
+        async def set(self) -> None:
+            self.event.set()
+
+    release = ray.remote(num_cpus=0)(Release).remote()
+    empty = blocks[0].slice(0, 0)
+
+    def held(_):
+        ray.get(release.wait.remote())
+        return empty
+
+    stream = ray.data.from_arrow(blocks).union(
+        ray.data.from_items([{"held": 1}]).map_batches(held, batch_format="pyarrow", num_cpus=0)
+    )
+    split = stream.map_batches(
         SplitTokens,
         fn_constructor_kwargs={"tables": tables},
         batch_size=None,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=1),
     )
+    return split, release
 
 
 def test_the_driver_gets_the_light_columns_and_the_trainer_the_same_rows(ray_session, tmp_path):
@@ -62,8 +89,9 @@ def test_the_driver_gets_the_light_columns_and_the_trainer_the_same_rows(ray_ses
     blocks = [pa.concat_tables([_group(f"p{b}{g}", b, rng) for g in range(2)]) for b in range(3)]
     tables = TokenTables.start()
     budget = StalenessBudget(0.0, 1, 1, 4)  # a step of 4 prompts, from blocks of 2
+    stream, release = _split(ray, blocks, tables)
     sink = TrainingSink(
-        ByReference(_split(ray, blocks, tables), tables),
+        ByReference(stream, tables),
         budget,
         N,
         str(tmp_path / "consumed"),
@@ -82,6 +110,7 @@ def test_the_driver_gets_the_light_columns_and_the_trainer_the_same_rows(ray_ses
         return rows.resolve()
 
     got = ray.get(trainer_side.remote(minibatches))
+    ray.get(release.set.remote())
     sink.close()  # after the fetch: closing the stream ends the split actors, which own the tables
     chosen = [sid for t in minibatches.minibatches for sid in t["sample_id"].to_pylist()]
     everything = pa.concat_tables(blocks)
@@ -101,11 +130,11 @@ def test_a_block_cut_in_rows_is_joined_from_its_one_table(ray_session):
     rng = np.random.default_rng(1)
     blocks = [pa.concat_tables([_group(f"p{b}{g}", b, rng) for g in range(2)]) for b in range(3)]
     tables = TokenTables.start()
-    reader = ByReference(_split(ray, blocks, tables).repartition(target_num_rows_per_block=1), tables)
-    # The 12 rows, without asking for a 13th: an exhausted stream shuts its split actors down, and the tables they
-    # own with them (the run's stream ends only once the trainer is done).
-    delivered = list(itertools.islice(reader, 12))
+    stream, release = _split(ray, blocks, tables)
+    reader = ByReference(stream.repartition(target_num_rows_per_block=1), tables)
+    delivered = list(itertools.islice(reader, 12))  # every row; the stream is held open
     rows = StepRows([d.light for d in delivered], [[d.ref] for d in delivered]).resolve()
+    ray.get(release.set.remote())
     reader.close()
     assert [d.light.num_rows for d in delivered] == [1] * 12  # Ray Data cut every split block into rows
     assert len({d.ref for d in delivered}) == 3  # one table per split block, taken once
