@@ -150,13 +150,22 @@ def warm_start_embedded(cfg: RunConfig, model_dir: Path, run_dir: Path) -> None:
     """The embedded model's supervised warm start (tens of seconds) on its task's training rows, in place."""
     if cfg.model.path != "embedded" or cfg.model.warm_start_steps <= 0:
         return
-    from pipeline.tasks.warmstart import warm_start
+    from pipeline.tasks.warmstart import cached_warm_start
 
     m, task_rows = cfg.model, run_dir / "data" / "train.parquet"  # written by build_embedded
-    stats = warm_start(
-        model_dir, task_rows, m.warm_start_steps, m.warm_start_lr, cfg.trainer.seed, smoothing=m.warm_start_smoothing
+    stats = cached_warm_start(
+        model_dir,
+        task_rows,
+        m.warm_start_steps,
+        m.warm_start_lr,
+        cfg.trainer.seed,
+        m.warm_start_smoothing,
+        m.warm_start_cache,
     )
-    print(f"asyncrl: warm start {m.warm_start_steps} steps, {stats}", flush=True)
+    if "cached" in stats:
+        print(f"asyncrl: warm start {m.warm_start_steps} steps, loaded from {stats['cached']}", flush=True)
+    else:
+        print(f"asyncrl: warm start {m.warm_start_steps} steps, {stats}", flush=True)
 
 
 def load_val_prompts(cfg: RunConfig, run_dir: Path, tokenizer) -> pa.Table | None:

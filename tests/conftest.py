@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    """The warm-start cache (model.warm_start_cache) of this session alone: the runs that warm-start the embedded model
+    the same way train it once, and nothing is read from or left in the user's cache."""
+    cache = tempfile.mkdtemp(prefix="asyncrl-cache-")
+    os.environ["ASYNCRL_CACHE_DIR"] = cache  # the runs in subprocesses and Ray jobs inherit it
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -251,6 +251,10 @@ class ModelConfig:
     """Learning rate of the warm start."""
     warm_start_smoothing: float = 0.5
     """Label smoothing of the warm start: keeps sampled answers noisy while greedy ones are mostly right."""
+    warm_start_cache: str = "${oc.env:ASYNCRL_CACHE_DIR,'~/.cache/asyncrl'}/warm_start"
+    """Where warm-started models are kept, keyed by everything they depend on, so that a run with the same embedded
+    model, task and warm start loads it in a second instead of training it again; '' (`model.warm_start_cache=''`)
+    trains every time."""
 
 
 @dataclass

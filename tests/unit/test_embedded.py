@@ -131,3 +131,24 @@ def test_warm_start_lowers_the_loss_and_saves(tmp_path):
     stats = warm_start(fresh.model_dir, fresh.data_file, steps=20, lr=2e-3, seed=0, batch_size=8)
     assert stats["steps"] == 20 and stats["final_loss"] < stats["first_loss"]
     AutoModelForCausalLM.from_pretrained(fresh.model_dir, local_files_only=True)
+
+
+def test_a_warm_start_is_trained_once_per_inputs_and_then_loaded(tmp_path):
+    from pipeline.tasks.warmstart import cached_warm_start
+
+    cache = tmp_path / "cache"
+
+    def run(name: str, lr: float = 2e-3) -> tuple[dict, bytes]:
+        task = build_embedded(tmp_path / name, num_prompts=64, seed=0)
+        stats = cached_warm_start(task.model_dir, task.data_file, 5, lr, 0, 0.5, str(cache))
+        return stats, (task.model_dir / "model.safetensors").read_bytes()
+
+    first, trained = run("first")
+    second, loaded = run("second")
+    assert "cached" not in first and second["cached"].startswith(str(cache))
+    assert loaded == trained and second["final_loss"] == first["final_loss"]
+    other, other_weights = run("other", lr=1e-3)  # another input: trained, not the first one's model
+    assert "cached" not in other and other_weights != trained
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 2
+    again = build_embedded(tmp_path / "off", num_prompts=64, seed=0)  # '' trains, though the cache holds it
+    assert "cached" not in cached_warm_start(again.model_dir, again.data_file, 5, 2e-3, 0, 0.5, "")
