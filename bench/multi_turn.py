@@ -9,7 +9,7 @@ trainer share, it is what colocated synchronous training is (each side waits whi
 of seed 001's 1.55-1.60x on 32 GPUs. The simulated multi-turn workload fitted to that table is
 `python -m bench.modes --table retool`.
 
-    python -m bench.multi_turn              # about 15 minutes on 2 cores
+    python -m bench.multi_turn              # about 9 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -25,20 +25,18 @@ import pyarrow.dataset as pds
 from pipeline.config import CONF_DIR, load_config
 from pipeline.prepare import start_ray
 
-# Each mode's keys over the preset (which is async + partial rollout), as verl's four configurations set them.
+# The seed's ReTool run syncs every 4 steps with staleness 1 (as conf/sim/verl_retool_32gpu.yaml): every mode starts
+# from that, and each sets what verl's four configurations set on top.
+SEED_SETTINGS = ["async_training.staleness_threshold=1.0", "async_training.trigger_parameter_sync_step=4"]
 MODES = {
     "on-policy (sync)": [
         "async_training.staleness_threshold=0",
         "async_training.trigger_parameter_sync_step=1",
         "async_training.partial_rollout=false",
     ],
-    "stream off-policy": [
-        "async_training.staleness_threshold=0",
-        "async_training.trigger_parameter_sync_step=4",
-        "async_training.partial_rollout=false",
-    ],
+    "stream off-policy": ["async_training.staleness_threshold=0", "async_training.partial_rollout=false"],
     "async stale samples": ["async_training.partial_rollout=false"],
-    "async + partial rollout": [],
+    "async + partial rollout": ["async_training.partial_rollout=true"],
 }
 SEED_001 = "1.55-1.60x"  # verl's multi-turn tool-calling speedup over colocated sync (seeds/README.md)
 
@@ -55,6 +53,7 @@ def run_mode(name: str, overrides: list[str], out: Path, prompts: int) -> dict:
     cfg = load_config(
         str(CONF_DIR / "multi_turn.yaml"),
         [
+            *SEED_SETTINGS,
             *overrides,
             f"rollout.total_rollout_steps={prompts}",
             "trainer.monitor=jsonl",
@@ -73,8 +72,8 @@ def run_mode(name: str, overrides: list[str], out: Path, prompts: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=384, help="rollout.total_rollout_steps of each run (8 a step)")
-    parser.add_argument("--skip", type=int, default=6, help="steps left out at the start and at the end")
-    parser.add_argument("--window", type=int, default=6, help="steps per measured window")
+    parser.add_argument("--skip", type=int, default=8, help="steps left out at the start and at the end")
+    parser.add_argument("--window", type=int, default=8, help="steps per measured window")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-multi-turn-"))
     start_ray(load_config(str(CONF_DIR / "multi_turn.yaml"), []), out)
