@@ -59,19 +59,12 @@ def engine_pids(engine: Any) -> list[int]:
 
 # vLLM's variable for the cores of each CPU rank's OpenMP threads: "0-3|4-7" binds rank 0 to 0-3 and rank 1 to 4-7.
 CPU_BINDING = "VLLM_CPU_OMP_THREADS_BIND"
-SINGLE_PROCESS_ENGINE = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def parallel_args(tensor_parallel_size: int, gpu: bool) -> dict[str, Any]:
     """The engine's keywords for `tensor_parallel_size` ranks. One rank: the 'uni' executor, the worker in the
     engine-core process (the fastest start). Several: the 'mp' executor, one worker process per rank, which all-reduce
     over NCCL on GPUs (the GPUs Ray gave the replica's actor, one each) and over shared memory and gloo on CPU.
-
-    vLLM's CPU platform turns 'uni' into 'mp' unless VLLM_ENABLE_V1_MULTIPROCESSING is 0 (vllm/platforms/cpu.py),
-    which costs a third process and its imports: measured on 2 idle cores, 30 s to start the engine against 20 s,
-    with generation as fast. AsyncLLM starts its engine-core process whatever that variable says, so setting it here
-    (the engine's processes inherit this one's environment) keeps the engine core apart from this actor and drops
-    only the extra worker process.
 
     On CPU, vLLM binds each rank's threads to a NUMA node of its own and refuses a machine with fewer NUMA nodes than
     ranks ("Not enough allowed NUMA nodes to bind threads", vllm/utils/ompmultiprocessing.py); there the cores this
@@ -80,8 +73,6 @@ def parallel_args(tensor_parallel_size: int, gpu: bool) -> dict[str, Any]:
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, not {tensor_parallel_size}")
     if tensor_parallel_size == 1:
-        if not gpu:
-            os.environ[SINGLE_PROCESS_ENGINE] = "0"
         return {"distributed_executor_backend": "uni"}
     if not gpu and CPU_BINDING not in os.environ:
         from vllm.utils.cpu_resource_utils import get_visible_memory_node

@@ -10,7 +10,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.config.checks import check_engine_heads
 from pipeline.config.placement import HEAD, check, engine_gpus, layout, resolve
 from pipeline.sync import group_ranks, make_syncer
-from stages.vllm_engine import CPU_BINDING, SINGLE_PROCESS_ENGINE, cpu_binding, parallel_args
+from stages.vllm_engine import CPU_BINDING, cpu_binding, parallel_args
 
 KEY = "rollout.tensor_model_parallel_size"
 
@@ -47,12 +47,7 @@ def test_cpu_ranks_split_the_cores_when_numa_nodes_are_too_few(cpus, numa_nodes,
 
 def test_one_rank_keeps_the_engine_in_process_and_several_take_a_worker_each(monkeypatch):
     monkeypatch.setenv(CPU_BINDING, "0|1")
-    monkeypatch.setenv(SINGLE_PROCESS_ENGINE, "1")  # recorded, so that the test leaves the variable as it was
-    monkeypatch.delenv(SINGLE_PROCESS_ENGINE)
-    assert parallel_args(1, gpu=True) == {"distributed_executor_backend": "uni"}
-    assert SINGLE_PROCESS_ENGINE not in os.environ  # a GPU engine keeps 'uni' by itself
     assert parallel_args(1, gpu=False) == {"distributed_executor_backend": "uni"}
-    assert os.environ[SINGLE_PROCESS_ENGINE] == "0"  # else vLLM's CPU platform makes it 'mp', a process more
     assert parallel_args(2, gpu=True) == {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     assert parallel_args(2, gpu=False)["tensor_parallel_size"] == 2
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
