@@ -47,7 +47,7 @@ def steady_windows(elapsed: list[float], skip: int, window: int) -> list[float]:
     return [(inner[i + window] - inner[i]) / window for i in range(0, len(inner) - window, window)]
 
 
-def run_mode(name: str, overrides: list[str], out: Path, prompts: int) -> dict:
+def run_mode(index: int, overrides: list[str], out: Path, prompts: int) -> dict:
     from pipeline.run import run
 
     cfg = load_config(
@@ -58,7 +58,7 @@ def run_mode(name: str, overrides: list[str], out: Path, prompts: int) -> dict:
             f"rollout.total_rollout_steps={prompts}",
             "trainer.monitor=jsonl",
             f"trainer.output_dir={out}",
-            f"trainer.run_name={name.split()[0].strip('(')}-{len(list(out.iterdir()))}",
+            f"trainer.run_name=mode-{index}",
         ],
     )
     summary = run(cfg)
@@ -78,8 +78,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-multi-turn-"))
     start_ray(load_config(str(CONF_DIR / "multi_turn.yaml"), []), out)
     results = {}
-    for name, overrides in MODES.items():
-        results[name] = run_mode(name, overrides, out, args.prompts)
+    for index, (name, overrides) in enumerate(MODES.items()):
+        results[name] = run_mode(index, overrides, out, args.prompts)
         print(f"bench: {name}: {results[name]['summary']['wall_s']:.0f} s", flush=True)
     print_table(results, args)
 
