@@ -112,9 +112,20 @@ class RunContext:
             self.monitor.close("FAILED")
 
 
+# What a run that trained leaves in its directory; a directory with only config.yaml, model/ or data/ is one whose
+# run failed its checks, and starting again there is fine.
+RUN_RECORDS = ("metrics.jsonl", "samples", "consumed", "admitted.parquet")
+
+
 def make_run_dir(cfg: RunConfig) -> Path:
     name = cfg.trainer.run_name or time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.trainer.output_dir).resolve() / name
+    held = [record for record in RUN_RECORDS if (run_dir / record).exists()]
+    if held and not cfg.resume:  # its logs would take this run's records beside their own and fail its audit
+        raise ConfigError(
+            f"trainer.run_name={name}: {run_dir} already holds a run ({', '.join(held)}). Continue it with "
+            "resume=true, choose another trainer.run_name (empty: a timestamped one), or remove that directory"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_dir

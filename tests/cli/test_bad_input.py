@@ -127,3 +127,11 @@ def test_a_layout_the_cluster_cannot_place_fails_at_start(tmp_path):
     assert "ask for 3.6 CPU on the cluster, which has 2 CPU. Nodes: head: 2 CPU" in msg
     assert "rollout.num_replicas" in msg and "ray.num_cpus" in msg
     assert time.monotonic() - start < 120  # Ray's start, then the check: before any actor
+
+
+def test_a_run_name_that_holds_a_run_needs_resume_or_another_name(tmp_path):
+    (tmp_path / "exp1" / "samples").mkdir(parents=True)  # what an earlier run with that name left
+    result = asyncrl("run", "trainer.run_name=exp1", tmp_path=tmp_path)
+    msg = one_error(result)
+    assert "already holds a run (samples)" in msg and "resume=true" in msg and "another trainer.run_name" in msg
+    assert "warm start" not in result.stdout and "Started a local Ray" not in result.stderr

@@ -69,3 +69,17 @@ def test_save_freq_must_fall_on_a_sync():
     with pytest.raises(ConfigError, match="resume=true needs trainer.run_name"):
         load_config(None, ["resume=true"])
     assert load_config(None, ["trainer.save_freq=4", "async_training.trigger_parameter_sync_step=2"])
+
+
+def test_a_new_run_refuses_a_directory_that_holds_a_run_and_resume_takes_it(tmp_path):
+    from pipeline.config import ConfigError, load_config
+    from pipeline.prepare import make_run_dir
+
+    named = [f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]
+    run_dir = make_run_dir(load_config(None, named))
+    (run_dir / "model").mkdir()
+    assert make_run_dir(load_config(None, named)) == run_dir  # a run that failed its checks: start again there
+    (run_dir / "consumed").mkdir()
+    with pytest.raises(ConfigError, match=r"trainer.run_name=r: .* already holds a run \(consumed\).*resume=true"):
+        make_run_dir(load_config(None, named))
+    assert make_run_dir(load_config(None, [*named, "resume=true"])) == run_dir
