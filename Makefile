@@ -30,12 +30,13 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
-# The benchmarks of docs/benchmarks.md, one after the other (about 45 minutes on 2 cores); each prints its table last.
+# The benchmarks of docs/benchmarks.md, one after the other (about 50 minutes on 2 cores); each prints its table last.
 bench: install
 	$(PY) -m bench.modes
 	$(PY) -m bench.modes --table retool
 	$(PY) -m bench.multi_turn
 	$(PY) -m bench.overhead
+	$(PY) -m bench.cpu_share
 	$(PY) -m bench.weight_sync
 	$(PY) -m bench.learning
 	$(PY) -m bench.pull
