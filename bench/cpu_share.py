@@ -78,10 +78,8 @@ class Sampler(threading.Thread):
         while not self.stopped.wait(self.period_s):
             now = self._totals()
             used = collections.Counter()
-            for pid, (kind, cpu) in now.items():
-                used[kind] += (
-                    cpu - before[pid][1] if pid in before else 0.0
-                )  # a new process counts from its first sample
+            for pid, (kind, cpu) in now.items():  # a new process counts from its first sample on
+                used[kind] += cpu - before[pid][1] if pid in before else 0.0
             self.samples.append((time.time(), dict(used)))
             before = now
 

@@ -62,9 +62,10 @@ CPU_BINDING = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def parallel_args(tensor_parallel_size: int, gpu: bool) -> dict[str, Any]:
-    """The engine's keywords for `tensor_parallel_size` ranks. One rank: the 'uni' executor, the worker in the
-    engine-core process (the fastest start). Several: the 'mp' executor, one worker process per rank, which all-reduce
-    over NCCL on GPUs (the GPUs Ray gave the replica's actor, one each) and over shared memory and gloo on CPU.
+    """The engine's keywords for `tensor_parallel_size` ranks. One rank: the 'uni' executor, on GPUs the worker in
+    the engine-core process (the fastest start). Several: the 'mp' executor, one worker process per rank, which
+    all-reduce over NCCL on GPUs (the GPUs Ray gave the replica's actor, one each) and over shared memory and gloo on
+    CPU.
 
     On CPU vLLM turns 'uni' into 'mp' (vllm/platforms/cpu.py), so one rank still has a worker process of its own,
     bound by vLLM to its cores. VLLM_ENABLE_V1_MULTIPROCESSING=0 would keep the worker in the engine core and start
