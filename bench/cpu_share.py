@@ -86,12 +86,11 @@ class Sampler(threading.Thread):
 
 def cores_between(samples: Iterable[tuple[float, dict[str, float]]], begin: float, end: float) -> dict[str, float]:
     """Mean cores per kind over the samples taken in [begin, end)."""
-    used, first, last = collections.Counter(), None, None
-    for t, by_kind in samples:
-        if begin <= t < end:
-            used.update(by_kind)
-            first, last = first if first is not None else t, t
-    if first is None or last == first:
+    inside = [by_kind for t, by_kind in samples if begin <= t < end]
+    used = collections.Counter()
+    for by_kind in inside:
+        used.update(by_kind)
+    if len(inside) < 2:
         raise ValueError(f"fewer than two CPU samples between {begin:.1f} and {end:.1f}: make the run longer")
     span = end - begin
     return {kind: seconds / span for kind, seconds in used.most_common()}
