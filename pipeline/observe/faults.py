@@ -6,6 +6,7 @@ targets)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,10 @@ class FaultLog:
         if clock_faults.get("replicas") and clock_faults["replicas"] != self.replicas:  # who runs where, now
             self.replicas = clock_faults["replicas"]
             processes = {"trainer": self.trainer_pid, "replicas": self.replicas}
-            (self.path.parent / "processes.json").write_text(json.dumps(processes, indent=1) + "\n")
+            # Read while the run goes on: replaced whole, never seen half-written.
+            staged = self.path.parent / "processes.json.tmp"
+            staged.write_text(json.dumps(processes, indent=1) + "\n")
+            os.replace(staged, self.path.parent / "processes.json")
         for event in clock_faults["events"]:
             self.write({"component": f"generate replica {event['replica']}", **event})
         self.seen += len(clock_faults["events"])

@@ -2,6 +2,7 @@
 checkpoint (and the config it restarts with), and the fault log's lines and counters."""
 
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -168,3 +169,25 @@ def test_a_group_that_fails_to_form_is_formed_again_with_the_live_replicas(ray_s
     assert [(m["kind"], m["to"]) for m in posted] == [("init_group", [0, 1]), ("init_group", [0]), ("sync", [0])]
     assert all(m["connect_timeout_s"] == 5.0 for m in posted[:2])
     assert finished == [1] and push.group == {0: 0} and "sync/trainer_blocked_s" in metrics
+
+
+def test_processes_json_is_never_seen_half_written(tmp_path):
+    # An operator or a fault-injection test reads it while the run rewrites it.
+    log, seen, done = FaultLog(tmp_path), [], threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            if (path := tmp_path / "processes.json").exists():
+                seen.append(json.loads(path.read_text())["replicas"][0]["generation"])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for generation in range(300):
+            member = {"replica": 0, "pid": 9, "engine_pids": [10], "node": "n", "generation": generation}
+            log.update({"events": [], "replicas": [member]})
+    finally:
+        done.set()
+        reader.join()
+    assert seen and seen == sorted(seen)
+    assert [p.name for p in tmp_path.iterdir()] == ["processes.json"]
