@@ -17,8 +17,10 @@ CPU machines; without CUDA they are refused with a clear error.
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
+import traceback
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Protocol
@@ -96,8 +98,13 @@ class BroadcastWeightSync:
                 tensor = tensor.detach().to(device).contiguous()
                 dist.broadcast(tensor, group=self.group, group_src=0)
                 sent += tensor.numel() * tensor.element_size()
-        except Exception:
+        except Exception as err:
             self.close()  # the peers still receiving see the group end instead of waiting for its timeout
+            # ...but gloo closes its connections, which is what ends their receives, only when the group is freed,
+            # and the failed collective's frames in this traceback still hold it (longer still wherever the error
+            # is kept, or sits in a reference cycle): drop those references now rather than at some later GC.
+            traceback.clear_frames(err.__traceback__)
+            gc.collect()
             raise
         return sent
 
