@@ -12,8 +12,8 @@ trainer share, it is what colocated synchronous training is (each side waits whi
 of seed 001's 1.55-1.60x on 32 GPUs. The simulated multi-turn workload fitted to that table is
 `python -m bench.modes --table retool`.
 
-    python -m bench.multi_turn                                  # about 14 minutes on 2 cores
-    python -m bench.multi_turn --repeats 3 --modes sync,partial  # about 21 minutes
+    python -m bench.multi_turn                                  # about 11 minutes on 2 cores
+    python -m bench.multi_turn --repeats 3 --modes sync,partial  # about 19 minutes
 """
 
 from __future__ import annotations
