@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=8, help="steps per measured window")
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode, the modes taking turns")
     parser.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} (sync is always run)")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this mode here, its result to --result
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this mode here, into --out/NAME.json
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     args = parser.parse_args()

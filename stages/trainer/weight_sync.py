@@ -99,14 +99,19 @@ class BroadcastWeightSync:
                 dist.broadcast(tensor, group=self.group, group_src=0)
                 sent += tensor.numel() * tensor.element_size()
         except Exception as err:
-            self.close()  # the peers still receiving see the group end instead of waiting for its timeout
-            # ...but gloo closes its connections, which is what ends their receives, only when the group is freed,
-            # and the failed collective's frames in this traceback still hold it (longer still wherever the error
-            # is kept, or sits in a reference cycle): drop those references now rather than at some later GC.
-            traceback.clear_frames(err.__traceback__)
-            gc.collect()
+            self.close_failed(err)
             raise
         return sent
+
+    def close_failed(self, err: BaseException) -> None:
+        """Close the group after a collective failed with `err`: the peers still receiving see the group end instead
+        of waiting for its timeout. gloo closes its connections, which is what ends their receives, only when the
+        group is freed, and the failed collective's frames in `err`'s traceback still hold it (longer still wherever
+        the error is kept, as Ray keeps a failed task's, or sits in a reference cycle): those references go now,
+        not at some later GC."""
+        self.close()
+        traceback.clear_frames(err.__traceback__)
+        gc.collect()
 
     def close(self) -> None:
         from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
@@ -140,8 +145,8 @@ class IpcWeightSync:
                 broadcast_object(args, self.control.group)
                 dist.all_reduce(torch.zeros(1), group=self.control.group)  # every engine copied it: it may be freed
                 sent += tensor.numel() * tensor.element_size()
-        except Exception:
-            self.control.close()
+        except Exception as err:
+            self.control.close_failed(err)
             raise
         return sent
 
