@@ -127,7 +127,11 @@ def _rewind_consumed(src: Path, dest: Path, step: int) -> int:
 
 
 def _rewind_samples(src: Path, dest: Path, kept_prompts: set[str]) -> int:
-    """Split each shard into samples of prompts consumed by the checkpoint (kept) and the rest (discarded)."""
+    """Split each shard into samples of prompts consumed by the checkpoint (kept) and the rest (discarded). A shard
+    the dead attempt was still writing is a temporary file (stages.sample_log.write_shard) whose block never
+    reached the trainer: its prompts are outstanding and admitted again, so the file goes."""
+    for staged in src.glob("_*.tmp") if src.exists() else []:
+        staged.unlink()
     moved = 0
     for shard in sorted(src.glob("*.parquet")) if src.exists() else []:
         table = pq.read_table(shard)

@@ -5,7 +5,7 @@ Output columns: the input, unchanged
 
 The log is the run's ground truth: the audit proves the staleness bound and exactly-once consumption from it,
 and the notebook reads it with pyarrow.dataset. One shard per block, named by a uuid, so concurrent tasks never
-collide and a crashed run keeps everything it wrote.
+collide and a crashed run keeps everything it wrote; a shard appears whole or not at all (`write_shard`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,19 @@ class SampleLog:
                     SAMPLE_SCHEMA.field(name), pa.nulls(table.num_rows, SAMPLE_SCHEMA.field(name).type)
                 )
         table = table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
-        fs, root = fsspec.core.url_to_fs(self.path)
-        fs.makedirs(root, exist_ok=True)
-        with fs.open(f"{root}/part-{uuid.uuid4().hex}.parquet", "wb") as f:
-            pq.write_table(table, f)
+        write_shard(table, f"{self.path}/part-{uuid.uuid4().hex}.parquet")
         return batch
+
+
+def write_shard(table: pa.Table, url: str) -> None:
+    """Write `table` to the Parquet file `url` (any fsspec URL) so that no reader sees it half-written: under a
+    temporary name first, which pyarrow.dataset skips (a leading "_") and no "*.parquet" matches, then renamed.
+    A process killed mid-write (a run's stage actors torn down when its trainer dies, a SIGKILLed driver) leaves
+    only the temporary file; a truncated shard would fail the resume's rewind, the audit and the notebook."""
+    fs, path = fsspec.core.url_to_fs(url)
+    parent, name = path.rsplit("/", 1)
+    fs.makedirs(parent, exist_ok=True)
+    staged = f"{parent}/_{name}.tmp"
+    with fs.open(staged, "wb") as f:
+        pq.write_table(table, f)
+    fs.mv(staged, path)

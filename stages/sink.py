@@ -24,13 +24,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from schemas import CONSUMED_SCHEMA, PER_TOKEN_COLUMNS, REQUIRED_COLUMNS, require_columns
 from stages.handoff import Delivered, StepRows
+from stages.sample_log import write_shard
 from stages.staleness import StalenessBudget
 
 LIGHT_REQUIRED = tuple(c for c in REQUIRED_COLUMNS if c not in PER_TOKEN_COLUMNS)
@@ -140,10 +139,7 @@ class TrainingSink:
             },
             schema=CONSUMED_SCHEMA,
         )
-        fs, root = fsspec.core.url_to_fs(self.consumed_path)
-        fs.makedirs(root, exist_ok=True)
-        with fs.open(f"{root}/step-{step_index:07d}.parquet", "wb") as f:
-            pq.write_table(log, f)
+        write_shard(log, f"{self.consumed_path}/step-{step_index:07d}.parquet")
 
     def close(self) -> None:
         """Stop the stream: closing its iterator shuts down Ray Data's executor and the stage actors."""

@@ -37,6 +37,7 @@ def test_rewind_moves_what_came_after_the_checkpoint(tmp_path):
         pq.write_table(pa.table({"consumed_step": [step]}), run / "consumed" / f"step-{step:07d}.parquet")
     pq.write_table(_samples(["a", "b"]), run / "samples" / "part-1.parquet")  # b was in flight
     pq.write_table(_samples(["c"]), run / "samples" / "part-2.parquet")
+    (run / "samples" / "_part-3.parquet.tmp").write_bytes(b"PAR1\x00")  # a shard its stage was killed writing
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
     checkpoint.commit(str(run / "checkpoints"), 2, 2, [("a", 0, 0.0)], {})
     moved = checkpoint.rewind(run, checkpoint.latest(str(run / "checkpoints")))

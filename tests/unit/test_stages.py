@@ -295,6 +295,27 @@ def test_sample_log_writes_every_column(tmp_path):
     assert written.schema == SAMPLE_SCHEMA and written["token_param_version"].to_pylist() == [[0, 1]]
 
 
+def test_a_shard_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    import pyarrow.dataset as pds
+
+    from stages import sample_log
+
+    good = pa.table({"sample_id": ["p/0"]})
+    sample_log.write_shard(good, f"{tmp_path}/samples/part-1.parquet")
+    real = pq.write_table
+
+    def killed_midway(table, where, **kwargs):  # the bytes of a writer killed before the footer
+        where.write(b"PAR1" + b"\x00" * 64)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sample_log.pq, "write_table", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        sample_log.write_shard(good, f"{tmp_path}/samples/part-2.parquet")
+    monkeypatch.setattr(sample_log.pq, "write_table", real)
+    assert sorted(p.name for p in (tmp_path / "samples").glob("*.parquet")) == ["part-1.parquet"]
+    assert pds.dataset(str(tmp_path / "samples")).to_table()["sample_id"].to_pylist() == ["p/0"]  # skips "_..."
+
+
 def test_ray_data_still_waits_on_the_constant_the_stream_shortens():
     """pipeline.stream sets Ray Data's scheduling wait by its module-level name; a Ray that renamed it would
     silently bring back 0.1 s per hop."""
