@@ -117,7 +117,8 @@ def failure(ctx, err: BaseException) -> RunFailed:
     where, inner = "the driver", err
     while True:
         if isinstance(inner, ray.exceptions.RayTaskError):
-            where = inner.function_name
+            # Ray's RayTaskError(<cause's class>) forwards unknown attributes to its cause and may lack the name
+            where = getattr(inner, "function_name", None) or where
         elif isinstance(inner, ray.exceptions.RayActorError) and inner.actor_init_failed:
             where = "an actor's constructor"  # Ray keeps only the text of its error: the last line names it
         nxt = getattr(inner, "cause", None) or inner.__cause__

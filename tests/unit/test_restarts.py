@@ -127,8 +127,8 @@ class _Clock:
         self.posted: list[dict] = []
         self.finished: list[int] = []
 
-    def pause_admission(self) -> None:
-        pass
+    def pause_admission(self) -> dict[int, int]:
+        return self.members()
 
     def wait_replicas(self, timeout_s: float) -> int:
         return 2
@@ -191,3 +191,15 @@ def test_processes_json_is_never_seen_half_written(tmp_path):
         reader.join()
     assert seen and seen == sorted(seen)
     assert [p.name for p in tmp_path.iterdir()] == ["processes.json"]
+
+
+def test_a_stage_error_as_ray_raises_it_is_reported_not_masked(tmp_path):
+    from ray.exceptions import UserCodeException
+
+    from pipeline.finish import failure
+
+    # What a failing Ray Data stage raises: RayTaskError(UserCodeException), whose unknown attributes go to its cause
+    cause = UserCodeException("UDF failed to process a data block.")
+    err = ray.exceptions.RayTaskError("MapWorker(MapBatches(Reward)).submit", "tb", cause).as_instanceof_cause()
+    message = str(failure(SimpleNamespace(run_dir=tmp_path), err))
+    assert "UserCodeException: UDF failed to process a data block." in message and "error.txt" in message
