@@ -86,9 +86,11 @@ class VersionClock:
         return sum(1 for v in self.outstanding.values() if v <= version)
 
     # --- syncs ---------------------------------------------------------------------------------------------
-    async def pause_admission(self) -> None:
+    async def pause_admission(self) -> dict[int, int]:
+        """Stop admitting until finish_sync; returns the live replicas (`members`), whom the sync goes to."""
         async with self._changed:
             self.paused = True
+        return await self.members()
 
     async def finish_sync(self, new_version: int, snapshot: str | None = None) -> None:
         """Advance the version; the counter restarts at the prompts still outstanding (verl's rule). `snapshot`:
@@ -215,6 +217,12 @@ class VersionClock:
             await self._changed.wait_for(lambda: self.closed)
 
     # --- reporting -------------------------------------------------------------------------------------------
+    async def step_done(self, prompt_ids: list[str], faults_after: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The driver's one call after a step: `consumed(prompt_ids)`, then `stats()` and `faults(faults_after)`
+        (a round trip to this actor costs milliseconds on a loaded machine, and a short step makes few others)."""
+        await self.consumed(prompt_ids)
+        return await self.stats(), await self.faults(faults_after)
+
     async def stats(self) -> dict[str, Any]:
         return {
             "version": self.version,

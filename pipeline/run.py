@@ -83,18 +83,13 @@ def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
                 validator.start(version)
             metrics = ray.get(trainer.train_step.remote(batch.minibatches(cfg.actor.ppo_mini_batch_size)))
             sink.record(batch, version, step)
-            ray.get(clock.consumed.remote([g["prompt_id"][0].as_py() for g in batch.groups]))
+            ids = [g["prompt_id"][0].as_py() for g in batch.groups]
+            stats, clock_faults = ray.get(clock.step_done.remote(ids, faults.seen))  # consumed; the clock's counters
             metrics.update(
-                step_metrics(
-                    batch,
-                    version,
-                    ray.get(clock.stats.remote()),
-                    metrics["timing/train_s"],
-                    kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
-                )
+                step_metrics(batch, version, stats, metrics["timing/train_s"], kl_coef=cfg.algorithm.kl_ctrl.kl_coef)
             )
             metrics.update(counters.update(batch.table, version))
-            metrics.update(faults.update(ray.get(clock.faults.remote(faults.seen))))
+            metrics.update(faults.update(clock_faults))
             if step % k == 0:
                 version += 1
                 metrics.update(syncer.sync(version))

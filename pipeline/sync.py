@@ -59,10 +59,10 @@ def connect(trainer, clock, members: list[int], timeout_s: float, engine_tp: int
     return not any("failed" in a for a in acks)
 
 
-def push(trainer, clock, version: int, members: list[int]) -> tuple[list[dict], dict] | None:
+def push(trainer, clock, version: int, members: list[int], meta: dict) -> tuple[list[dict], dict] | None:
     """Broadcast the trainer's weights as `version` to `members` (admission paused by the caller): their
-    acknowledgements and the trainer's numbers, or None if the broadcast failed (a replica died during it)."""
-    meta = ray.get(trainer.weight_meta.remote())
+    acknowledgements and the trainer's numbers, or None if the broadcast failed (a replica died during it).
+    `meta`: the trainer's weight_meta (names, shapes, dtypes), the same at every sync."""
     seq = ray.get(clock.post.remote({"kind": "sync", "version": version, **meta}, members))
     try:
         sent = ray.get(trainer.push_weights.remote())
@@ -107,18 +107,20 @@ class Push:
         self.connect_timeout_s, self.engine_tp = connect_timeout_s, engine_tp
         self.group: dict[int, int] = {}  # the group's replicas: index -> generation
         self.started = False
+        self.meta: dict | None = None  # the trainer's weight_meta: fetched once, it never changes in a run
         self.log = Path(run_dir) / "weight_loads.jsonl"
         self.snapshots = Snapshots(snapshots) if snapshots else None
 
-    def connect(self) -> bool:
-        """Form the group with the live replicas (at the first sync: once every replica has started); False if a
-        member died while it was formed."""
+    def connect(self, members: dict[int, int] | None = None) -> bool:
+        """Form the group with the live replicas `members` (default: ask the clock; at the first sync, once every
+        replica has started); False if a member died while it was formed."""
         if not self.started:
             joined = ray.get(self.clock.wait_replicas.remote(TIMEOUT_S))
             if joined < self.num_replicas:
                 raise RuntimeError(f"only {joined} of {self.num_replicas} Generate replicas started in {TIMEOUT_S}s")
-            self.started = True
-        members = ray.get(self.clock.members.remote())
+            self.started, members = True, None
+        if members is None:
+            members = ray.get(self.clock.members.remote())
         if members != self.group:
             if not connect(self.trainer, self.clock, sorted(members), self.connect_timeout_s, self.engine_tp):
                 return False
@@ -127,12 +129,15 @@ class Push:
 
     def sync(self, version: int) -> dict[str, float]:
         start = time.monotonic()
-        ray.get(self.clock.pause_admission.remote())
+        members = ray.get(self.clock.pause_admission.remote())
+        if self.meta is None:
+            self.meta = ray.get(self.trainer.weight_meta.remote())
         for _ in range(2 * self.num_replicas + 1):  # each retry follows a replica's death (in a formation or a push)
-            result = push(self.trainer, self.clock, version, sorted(self.group)) if self.connect() else None
+            formed = self.connect(members)  # sets self.group
+            result = push(self.trainer, self.clock, version, sorted(self.group), self.meta) if formed else None
             if result is not None:
                 break
-            self.group = {}  # closed by the failed push, or never formed: form it again with the survivors
+            self.group, members = {}, None  # closed by the failed push, or never formed: form it again, survivors
         else:
             raise RuntimeError(f"the weight push of version {version} failed {2 * self.num_replicas + 1} times")
         acks, sent = result

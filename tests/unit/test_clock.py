@@ -49,6 +49,20 @@ def test_paused_clock_admits_nothing_until_the_sync_finishes():
     run(scenario())
 
 
+def test_step_done_consumes_and_reports_in_one_call():
+    async def scenario():
+        clock = VersionClock(StalenessBudget(1.0, 1, 1, 4), num_replicas=1)
+        await clock.acquire(["a", "b", "c"])
+        stats, faults = await clock.step_done(["a", "b"], faults_after=0)
+        assert stats["outstanding"] == 1 and stats["admitted_total"] == 3  # counted after the consumption
+        assert faults["events"] == [] and faults["replicas"] == []
+        assert await clock.pause_admission() == {}  # the live replicas the sync goes to: none registered here
+        with pytest.raises(ValueError, match="consumed twice"):
+            await clock.step_done(["a"], faults_after=0)
+
+    run(scenario())
+
+
 def test_double_admission_and_double_consumption_are_errors():
     async def scenario():
         clock = VersionClock(StalenessBudget(1.0, 1, 1, 4), num_replicas=1)
