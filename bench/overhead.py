@@ -5,7 +5,7 @@ The generate stage is the simulated engine with zero prefill, decode, training a
 measured is the pipeline's own work: Ray Data's scheduling and hand-offs between stages, the gate's round trips
 to the VersionClock, Arrow conversions, the sample and consumption logs, the sink's grouping.
 
-    python -m bench.overhead               # about 2 minutes on 2 cores
+    python -m bench.overhead               # about 3 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -26,14 +26,18 @@ N = 8
 TYPICAL = {"embedded job step (64 samples, ~1 s)": (64, 1.0), "verl 7B step (2048 samples, ~38 s)": (2048, 37.7)}
 
 
-def run_once(out: Path, prompts_per_call: int, calls_in_flight: int) -> tuple[float, float, bool]:
-    """(samples per second over the steady part of the run, total wall seconds, audit verdict)."""
+def run_once(
+    out: Path, prompts_per_call: int, calls_in_flight: int, in_engine: bool = False
+) -> tuple[float, float, bool]:
+    """(samples per second over the steady part of the run, total wall seconds, audit verdict). `in_engine`: score,
+    log and split in the engine's actor (rollout.score_in_engine)."""
     from pipeline.run import run
 
     cfg = load_config(
         SIM,
         [
             *INSTANT,
+            *(["rollout.score_in_engine=true", "rollout.engine_max_restarts=0"] if in_engine else []),
             "sim.length_sigma=0",
             "sim.length_mean=32",
             f"rollout.n={N}",
@@ -43,7 +47,7 @@ def run_once(out: Path, prompts_per_call: int, calls_in_flight: int) -> tuple[fl
             "actor.ppo_mini_batch_size=8",
             "async_training.staleness_threshold=1.0",
             f"trainer.output_dir={out}",
-            f"trainer.run_name=ppc{prompts_per_call}",
+            f"trainer.run_name=ppc{prompts_per_call}{'-in-engine' if in_engine else ''}",
         ],
     )
     summary = run(cfg)
@@ -59,22 +63,26 @@ def main() -> None:
     start_ray(load_config(SIM, []), out)
     rows = []
     for ppc, calls in ((1, 8), (4, 4), (8, 2)):
-        rate, wall, ok = run_once(out, ppc, calls)
-        rows.append((ppc, calls, rate, wall, ok))
-        print(f"bench: prompts_per_call={ppc}: {rate:.0f} samples/s", flush=True)
+        for in_engine in (False, True):  # side by side: scoring in the stream's last stage, or in the engine's actor
+            rate, wall, ok = run_once(out, ppc, calls, in_engine)
+            rows.append((ppc, calls, "engine" if in_engine else "stage", rate, wall, ok))
+            print(f"bench: prompts_per_call={ppc}, scored in the {rows[-1][2]}: {rate:.0f} samples/s", flush=True)
     print(
-        f"\n{'prompts/call':>12} {'calls':>6} {'samples/s':>10} {'ms/sample':>10} {'run s':>6} {'audit':>6}  ", end=""
+        f"\n{'prompts/call':>12} {'calls':>6} {'scored in':>9} {'samples/s':>10} {'ms/sample':>10} {'run s':>6} "
+        f"{'audit':>6}  ",
+        end="",
     )
     print("  ".join(f"{name}: share" for name in TYPICAL))
-    for ppc, calls, rate, wall, ok in rows:
+    for ppc, calls, where, rate, wall, ok in rows:
         shares = "  ".join(
             f"{samples / rate / step_s:>{len(name) + 7}.3f}" for name, (samples, step_s) in TYPICAL.items()
         )
         verdict = "PASS" if ok else "FAIL"
-        print(f"{ppc:>12} {calls:>6} {rate:>10.0f} {1000 / rate:>10.2f} {wall:>6.1f} {verdict:>6}  {shares}")
+        print(f"{ppc:>12} {calls:>6} {where:>9} {rate:>10.0f} {1000 / rate:>10.2f} {wall:>6.1f} {verdict:>6}  {shares}")
     print(
         f"{PROMPTS} prompts x {N} responses per run, engines and trainer instant, 2 cores for everything; share = "
-        "the step's samples x ms/sample / step time, an upper bound: the stream does this work beside the step"
+        "the step's samples x ms/sample / step time, an upper bound: the stream does this work beside the step; "
+        "scored in the engine: rollout.score_in_engine=true (with rollout.engine_max_restarts=0, which it needs)"
     )
 
 

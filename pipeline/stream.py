@@ -1,5 +1,6 @@
 """Wire the Ray Data stream from the config: source -> gate -> generate -> [reference logprobs] -> reward ->
-advantage -> sample log; and the step-level operation the training sink applies (advantage whitening).
+advantage -> sample log -> split (the last four in the engine's actor with rollout.score_in_engine); and the
+step-level operation the training sink applies (advantage whitening).
 
 The source (`prompt_dataset`) reads the prompts lazily, paced by the gate's admissions: nothing of it grows with
 rollout.total_rollout_steps.
@@ -34,6 +35,7 @@ from stages.advantage import ESTIMATORS, whiten_step
 from stages.gate import StalenessGate
 from stages.handoff import SplitTokens
 from stages.sample_log import SampleLog
+from stages.scored_generate import ScoredGenerate
 
 MiB = 1 << 20
 SCHEDULING_WAIT_S = 0.02  # how long Ray Data's scheduling loop waits for its tasks (configure_data_context)
@@ -219,9 +221,7 @@ def build_stream(
         # at the actor instead of in the next round of Ray Data's scheduling loop (about 0.2 s per block on 2 cores).
         compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2),
     )
-    ds = ds.map_batches(
-        gen_cls,
-        fn_constructor_kwargs=gen_kwargs,
+    engine_options = dict(
         batch_size=None,
         batch_format="pyarrow",
         num_cpus=1,
@@ -238,6 +238,11 @@ def build_stream(
             max_concurrent_calls_per_actor=ro.calls_in_flight,
         ),
     )
+    scoring = [reward_cls(**reward_kwargs), adv_cls(**adv_kwargs), SampleLog(f"{run_dir}/samples")]
+    if ro.score_in_engine:  # one hop fewer: the engine's actor scores, logs and splits (stages/scored_generate.py)
+        generate = {"generate": (gen_cls, gen_kwargs), "scoring": scoring, "tables": tables}
+        return ds.map_batches(ScoredGenerate, fn_constructor_kwargs=generate, **engine_options)
+    ds = ds.map_batches(gen_cls, fn_constructor_kwargs=gen_kwargs, **engine_options)
     if uses_reference(cfg):  # the frozen model is loaded only when a KL needs it
         ref_cls, ref_kwargs = _construct(
             cfg.stages.ref_logprob, "stages.ref_logprob", {"model_dir": reference_model_dir(cfg, model_dir, run_dir)}
@@ -253,9 +258,8 @@ def build_stream(
     # Ray Data fuses these three task stages into the split stage's actors: one call per block. An actor, not a task:
     # the per-token tables it puts in the object store live as long as the process that put them (stages/handoff.py).
     # (Fused only with equal resources: the same num_cpus on all four.)
-    ds = ds.map_batches(reward_cls(**reward_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=SPLIT_CPUS)
-    ds = ds.map_batches(adv_cls(**adv_kwargs), batch_size=None, batch_format="pyarrow", num_cpus=SPLIT_CPUS)
-    ds = ds.map_batches(SampleLog(f"{run_dir}/samples"), batch_size=None, batch_format="pyarrow", num_cpus=SPLIT_CPUS)
+    for stage in scoring:
+        ds = ds.map_batches(stage, batch_size=None, batch_format="pyarrow", num_cpus=SPLIT_CPUS)
     return ds.map_batches(
         SplitTokens,
         fn_constructor_kwargs={"tables": tables},

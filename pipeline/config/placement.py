@@ -166,10 +166,17 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
             else "rollout.num_replicas",
         ),
         _group("staleness gate", 1, {"CPU": 0.1}, placement.head_resources(), HEAD_CPUS if placement.head else CPUS),
-        _group(
-            "split stage", split_actors(cfg), {"CPU": SPLIT_CPUS}, placement.rollout_resources(), "rollout.num_replicas"
-        ),
     ]
+    if not cfg.rollout.score_in_engine:  # else the engines' actors score and split
+        groups.append(
+            _group(
+                "split stage",
+                split_actors(cfg),
+                {"CPU": SPLIT_CPUS},
+                placement.rollout_resources(),
+                "rollout.num_replicas",
+            )
+        )
     if reference:
         groups.append(_group("reference model", 1, {"CPU": 0.5}, {}, "actor.use_kl_loss, algorithm.use_kl_in_reward"))
     return groups

@@ -197,6 +197,11 @@ class RolloutConfig:
     """Restarts of Generate replicas the run survives, all replicas together: Ray restarts a replica whose process
     or engine died, it loads the current weights and regenerates the prompts it had in flight. In push mode this
     writes every pushed version to weight_sync.store too (sync/snapshot_s); 0 turns both off."""
+    score_in_engine: bool = False
+    """Score, log and split each block in its engine's actor (stages/scored_generate.py), not in a stage after it:
+    one hand-off between stages fewer per block, which on short steps is a good part of a step (bench.overhead).
+    Needs engine_max_restarts=0 (a dead engine's actor takes the per-token tables it holds with it) and no
+    reference model (actor.use_kl_loss, algorithm.use_kl_in_reward)."""
     kv_cache_gb: int = 1
     """KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
     test_freq: int = -1

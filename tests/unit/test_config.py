@@ -72,6 +72,14 @@ def test_cross_field_checks():
         load_config("/nonexistent/x.yaml")
 
 
+def test_scoring_in_the_engine_needs_no_restarts_and_no_reference_model():
+    with pytest.raises(ConfigError, match="set rollout.engine_max_restarts=0, or rollout.score_in_engine=false"):
+        load_config(None, ["rollout.score_in_engine=true"])  # the default survives 3 engine restarts
+    with pytest.raises(ConfigError, match="reference model.*actor.use_kl_loss"):
+        load_config(None, ["rollout.score_in_engine=true", "rollout.engine_max_restarts=0", "actor.use_kl_loss=true"])
+    assert load_config(None, ["rollout.score_in_engine=true", "rollout.engine_max_restarts=0"]).rollout.score_in_engine
+
+
 def test_sim_section_and_backend_are_checked():
     with pytest.raises(ConfigError, match=r"sim.decode_s_per_tokn.*Did you mean 'decode_s_per_token'"):
         load_config(None, ["sim.decode_s_per_tokn=0.1"])
