@@ -86,8 +86,8 @@ PARTIAL_RUN = [
 
 @pytest.fixture(scope="session")
 def partial_run(ray_session, tmp_path_factory):
-    """One finished run shared by the tests that only read a run (MLflow, the sample tables, the notebook);
-    returns (summary, run_dir)."""
+    """One finished run shared by the tests that only read a run (MLflow, the sample tables, the notebook, the
+    listening sockets); returns (summary, run_dir)."""
     from pipeline.config import CONF_DIR
 
     output_dir = tmp_path_factory.mktemp("partial")

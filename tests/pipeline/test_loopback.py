@@ -13,18 +13,11 @@ def is_loopback(ip: str) -> bool:
 
 
 @pytest.mark.slow
-def test_everything_we_started_listens_on_loopback(run_job):
+def test_everything_we_started_listens_on_loopback(partial_run):
+    # After the shared partial-rollout run (conftest): Ray's servers, its workers and whatever the run left up.
     import ray
 
     assert ray.util.get_node_ip_address() == "127.0.0.1"
-    run_job(
-        "rollout.total_rollout_steps=8",
-        "actor.ppo_mini_batch_size=4",
-        "rollout.n=2",
-        "model.warm_start_steps=0",
-        "data.num_embedded_prompts=20",
-        name="loopback",
-    )
     ours = {p.pid for p in psutil.Process().children(recursive=True)} | {psutil.Process().pid}
     listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
     assert listening, "expected Ray's servers among our descendants"
