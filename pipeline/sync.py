@@ -137,7 +137,7 @@ class Push:
             result = push(self.trainer, self.clock, version, sorted(self.group), self.meta) if formed else None
             if result is not None:
                 break
-            self.group, members = {}, None  # closed by the failed push, or never formed: form it again, survivors
+            self.group, members = {}, None  # the push failed or the group never formed: again, with the survivors
         else:
             raise RuntimeError(f"the weight push of version {version} failed {2 * self.num_replicas + 1} times")
         acks, sent = result
