@@ -37,7 +37,7 @@ def run_once(
         SIM,
         [
             *INSTANT,
-            *(["rollout.score_in_engine=true", "rollout.engine_max_restarts=0"] if in_engine else []),
+            f"rollout.score_in_engine={str(in_engine).lower()}",
             "sim.length_sigma=0",
             "sim.length_mean=32",
             f"rollout.n={N}",
@@ -82,7 +82,7 @@ def main() -> None:
     print(
         f"{PROMPTS} prompts x {N} responses per run, engines and trainer instant, 2 cores for everything; share = "
         "the step's samples x ms/sample / step time, an upper bound: the stream does this work beside the step; "
-        "scored in the engine: rollout.score_in_engine=true (with rollout.engine_max_restarts=0, which it needs)"
+        "scored in the engine: rollout.score_in_engine (the default), in a stage: rollout.score_in_engine=false"
     )
 
 

@@ -1,6 +1,6 @@
 """Wire the Ray Data stream from the config: source -> gate -> generate -> [reference logprobs] -> reward ->
-advantage -> sample log -> split (the last four in the engine's actor with rollout.score_in_engine); and the
-step-level operation the training sink applies (advantage whitening).
+advantage -> sample log -> split (the last four in the engine's actor unless a reference model needs its stage: see
+stages/scored_generate.py); and the step-level operation the training sink applies (advantage whitening).
 
 The source (`prompt_dataset`) reads the prompts lazily, paced by the gate's admissions: nothing of it grows with
 rollout.total_rollout_steps.
@@ -33,7 +33,7 @@ from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunk
 from pipeline.tasks.source import PromptDataError
 from stages.advantage import ESTIMATORS, whiten_step
 from stages.gate import StalenessGate
-from stages.handoff import SplitTokens
+from stages.handoff import SplitTokens, TokenTables
 from stages.sample_log import SampleLog
 from stages.scored_generate import ScoredGenerate
 
@@ -126,12 +126,6 @@ def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
     return whiten_step if getattr(cls, "whiten_over_step", False) else None
 
 
-def uses_reference(cfg: RunConfig) -> bool:
-    """Whether the stream computes reference logprobs: for the KL loss or the KL in the reward."""
-    # actor.use_kl_loss belongs to the trainer's settings; read defensively so the stream does not depend on it.
-    return bool(getattr(cfg.actor, "use_kl_loss", False)) or cfg.algorithm.use_kl_in_reward
-
-
 def reference_model_dir(cfg: RunConfig, model_dir: str, run_dir: str) -> str:
     """The weights the run started from: model_dir, except on resume, where model_dir holds the checkpoint's and
     the start is model.path (or the embedded model prepare_model built into the run directory)."""
@@ -156,7 +150,7 @@ def check_layout(cfg: RunConfig) -> Placement:
     nodes = cluster_nodes()
     where = placement_for(cfg.ray, nodes)
     cluster_gpus = sum(n.get("GPU", 0.0) for n in nodes)
-    problem = check_placement(layout(cfg, where, cluster_gpus, uses_reference(cfg)), nodes)
+    problem = check_placement(layout(cfg, where, cluster_gpus, cfg.uses_reference()), nodes)
     if problem:
         raise ConfigError(problem)
     return where
@@ -239,11 +233,12 @@ def build_stream(
         ),
     )
     scoring = [reward_cls(**reward_kwargs), adv_cls(**adv_kwargs), SampleLog(f"{run_dir}/samples")]
-    if ro.score_in_engine:  # one hop fewer: the engine's actor scores, logs and splits (stages/scored_generate.py)
-        generate = {"generate": (gen_cls, gen_kwargs), "scoring": scoring, "tables": tables}
+    if cfg.scores_in_engine():  # one hop fewer: the engine's actor scores, logs and splits (stages/scored_generate.py)
+        owners = TokenTables.owners(tables, where.rollout)  # of the tables, beside the engines
+        generate = {"generate": (gen_cls, gen_kwargs), "scoring": scoring, "owners": owners}
         return ds.map_batches(ScoredGenerate, fn_constructor_kwargs=generate, **engine_options)
     ds = ds.map_batches(gen_cls, fn_constructor_kwargs=gen_kwargs, **engine_options)
-    if uses_reference(cfg):  # the frozen model is loaded only when a KL needs it
+    if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
         ref_cls, ref_kwargs = _construct(
             cfg.stages.ref_logprob, "stages.ref_logprob", {"model_dir": reference_model_dir(cfg, model_dir, run_dir)}
         )

@@ -24,13 +24,13 @@ bundle iterator instead (`ByReference`), which hands over block references witho
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from schemas import PER_TOKEN_COLUMNS, REQUIRED_COLUMNS, TOKEN_TABLE_COLUMNS, require_columns
+from stages.sample_log import block_name
 
 KEY = "sample_id"  # joins a light row to its per-token columns
 TABLE, TABLE_ROWS, TABLE_BYTES = TOKEN_TABLE_COLUMNS  # which per-token table holds a row's columns, its rows, bytes
@@ -39,10 +39,14 @@ TABLE, TABLE_ROWS, TABLE_BYTES = TOKEN_TABLE_COLUMNS  # which per-token table ho
 class TokenTables:
     """Where the split stage leaves each per-token table's reference for the driver to take (a Ray actor, started
     by `start`). An object lives while any process holds its reference, so from the take on, the driver alone
-    decides how long the table lives."""
+    decides how long the table lives.
 
-    def __init__(self) -> None:
+    A stage whose process may die before the driver takes its tables (an engine's actor, which Ray restarts: see
+    stages/scored_generate.py) hands them to `own` instead, on an actor of its node that outlives it (`owners`)."""
+
+    def __init__(self, registry=None) -> None:
         self.tables: dict[str, list] = {}
+        self.registry = registry  # None: this is the driver's; else it owns tables for it on another node
 
     @staticmethod
     def start(resources: dict[str, float] | None = None):
@@ -51,8 +55,40 @@ class TokenTables:
         # No CPU: it answers two short calls per block; a reserved CPU would be one fewer for the stages.
         return ray.remote(TokenTables).options(num_cpus=0, resources=resources or {}).remote()
 
+    @staticmethod
+    def owners(tables, marker: str = "") -> dict[str, object]:
+        """Node id -> the actor that owns the tables put on that node: `tables` itself on its own node, a
+        TokenTables forwarding to it on every other node alive now (with `marker`, only those with that resource:
+        where the engines go). They live as long as the driver's stream."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        home = ray.get(tables.node.remote())
+        owners = {home: tables}
+        for node in ray.nodes():
+            if node["Alive"] and node["NodeID"] not in owners and (not marker or node["Resources"].get(marker)):
+                on_node = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+                actor = ray.remote(TokenTables).options(num_cpus=0, scheduling_strategy=on_node)
+                owners[node["NodeID"]] = actor.remote(tables)
+        return owners
+
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def keep(self, key: str, ref: list) -> None:
         self.tables[key] = ref  # in a list: an ObjectRef passed bare would be fetched here
+
+    def own(self, key: str, table: pa.Table) -> None:
+        """Put `table` into the object store from this process, so that it outlives the stage that made it."""
+        import ray
+
+        ref = [ray.put(table)]
+        if self.registry is None:
+            self.keep(key, ref)
+        else:  # the driver's TokenTables borrows it from here; this actor stays its owner
+            ray.get(self.registry.keep.remote(key, ref))
 
     def take(self, keys: list[str]) -> list[list]:
         missing = [k for k in keys if k not in self.tables]
@@ -71,8 +107,10 @@ class SplitTokens:
     Output columns: the input's light columns (all but schemas.PER_TOKEN_COLUMNS) + schemas.TOKEN_TABLE_COLUMNS
     """
 
-    def __init__(self, tables) -> None:
-        self.tables = tables  # the TokenTables actor
+    def __init__(self, tables, owned_by_tables: bool = False) -> None:
+        """`tables`: a TokenTables actor; `owned_by_tables`: it puts each table (TokenTables.own), not this actor."""
+        self.tables = tables
+        self.owned_by_tables = owned_by_tables
 
     def __call__(self, block: pa.Table) -> pa.Table:
         import ray
@@ -84,9 +122,13 @@ class SplitTokens:
             key, rows, size = "", 0, 0
         else:
             per_token = block.select([KEY, *heavy])
-            key, rows, size = uuid.uuid4().hex, per_token.num_rows, per_token.nbytes
-            # Kept before the block goes on, so the driver finds it; this actor stays its owner.
-            ray.get(self.tables.keep.remote(key, [ray.put(per_token)]))
+            # Named by its samples: a block made again after its replica died replaces the first attempt's table.
+            key, rows, size = block_name(block), per_token.num_rows, per_token.nbytes
+            # Kept before the block goes on, so the driver finds it.
+            if self.owned_by_tables:
+                ray.get(self.tables.own.remote(key, per_token))
+            else:  # this actor stays its owner
+                ray.get(self.tables.keep.remote(key, [ray.put(per_token)]))
         n = block.num_rows
         light = light.append_column(TABLE, pa.array([key] * n, pa.string()))
         light = light.append_column(TABLE_ROWS, pa.array([rows] * n, pa.int64()))

@@ -4,13 +4,15 @@ Input columns:  all of schemas.SAMPLE_SCHEMA (the optional ones are written as n
 Output columns: the input, unchanged
 
 The log is the run's ground truth: the audit proves the staleness bound and exactly-once consumption from it,
-and the notebook reads it with pyarrow.dataset. One shard per block, named by a uuid, so concurrent tasks never
-collide and a crashed run keeps everything it wrote; a shard appears whole or not at all (`write_shard`).
+and the notebook reads it with pyarrow.dataset. One shard per block, named by its samples (`block_name`), so concurrent
+tasks never collide, a block made again after its replica died replaces the first attempt's shard instead of
+logging its samples twice, and a crashed run keeps everything it wrote; a shard appears whole or not at all
+(`write_shard`).
 """
 
 from __future__ import annotations
 
-import uuid
+import hashlib
 
 import fsspec
 import pyarrow as pa
@@ -32,8 +34,14 @@ class SampleLog:
                     SAMPLE_SCHEMA.field(name), pa.nulls(table.num_rows, SAMPLE_SCHEMA.field(name).type)
                 )
         table = table.select(SAMPLE_SCHEMA.names).cast(SAMPLE_SCHEMA)
-        write_shard(table, f"{self.path}/part-{uuid.uuid4().hex}.parquet")
+        write_shard(table, f"{self.path}/part-{block_name(batch)}.parquet")
         return batch
+
+
+def block_name(block: pa.Table) -> str:
+    """A name for a block's samples: a hash of its sample ids, which a retry of the same prompts makes again."""
+    ids = sorted(block["sample_id"].to_pylist())
+    return hashlib.blake2b("\n".join(ids).encode(), digest_size=16).hexdigest()
 
 
 def write_shard(table: pa.Table, url: str) -> None:

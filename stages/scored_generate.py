@@ -8,9 +8,12 @@ advantage and sample log fused in), which costs about 0.05 s per block on 2 core
 a third of a prompt's way from admission to the trainer. Here the engine's actor scores, logs and splits the block
 itself, so the block leaves the engine ready for the driver.
 
-The price is ownership: the per-token tables this actor puts in the object store live as long as its process, and
-an engine's death kills it. So the config allows this only where a dead replica ends the run anyway
-(rollout.engine_max_restarts=0) and no reference model sits between generation and scoring (pipeline/config).
+A table put by this actor would live only as long as its process, which a dead engine takes down (Ray restarts
+the replica and runs its calls again). So the tables go to a TokenTables of the engine's node, which puts them
+itself and outlives the engine (`TokenTables.own`): what a dead replica leaves behind is only its unfinished calls,
+which Ray Data runs again on the restarted replica, and a call that died after logging its block logs it again under
+the same name (stages.sample_log.block_name), replacing the first shard. A reference model needs a stage between
+generation and scoring, so with one the stream scores in stages (pipeline/config: RunConfig.scores_in_engine).
 """
 
 from __future__ import annotations
@@ -26,15 +29,22 @@ import pyarrow as pa
 
 class ScoredGenerate:
     def __init__(
-        self, generate: tuple[type, dict[str, Any]], scoring: list[Callable[[pa.Table], pa.Table]], tables: Any
+        self,
+        generate: tuple[type, dict[str, Any]],
+        scoring: list[Callable[[pa.Table], pa.Table]],
+        owners: dict[str, Any],
     ) -> None:
         """`generate`: the generate stage's class and keywords; `scoring`: the stream's stages after it, in order
-        (reward, advantage, sample log), as the callables Ray Data would run; `tables`: the TokenTables actor."""
+        (reward, advantage, sample log), as the callables Ray Data would run; `owners`: TokenTables.owners."""
+        import ray
+
         from stages.handoff import SplitTokens
 
         cls, kwargs = generate
         self.generate = cls(**kwargs)
-        self.scoring = [*scoring, SplitTokens(tables)]
+        node = ray.get_runtime_context().get_node_id()
+        owner = owners.get(node) or next(iter(owners.values()))  # a node that joined later: the driver's
+        self.scoring = [*scoring, SplitTokens(owner, owned_by_tables=True)]
         # One block at a time, as in the stage it replaces: the reward stage's worker pool serves one caller.
         self.one_block = threading.Lock()
 

@@ -29,15 +29,7 @@ def validate(cfg: RunConfig) -> None:
         (cfg.rollout.engine_max_restarts >= 0, "rollout.engine_max_restarts must be >= 0 (0: no restarts)"),
         (cfg.trainer.max_restarts >= 0, "trainer.max_restarts must be >= 0 (0: a dead trainer ends the run)"),
         (
-            not cfg.rollout.score_in_engine or cfg.rollout.engine_max_restarts == 0,
-            "rollout.score_in_engine keeps each block's per-token columns in its engine's process, which a restart "
-            "loses: set rollout.engine_max_restarts=0, or rollout.score_in_engine=false",
-        ),
-        (
-            not (
-                cfg.rollout.score_in_engine
-                and (getattr(cfg.actor, "use_kl_loss", False) or cfg.algorithm.use_kl_in_reward)
-            ),
+            not (cfg.rollout.score_in_engine and cfg.uses_reference()),
             "rollout.score_in_engine leaves no place for the reference model between generation and scoring: set "
             "rollout.score_in_engine=false, or turn the KL off (actor.use_kl_loss, algorithm.use_kl_in_reward)",
         ),

@@ -167,7 +167,7 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
         ),
         _group("staleness gate", 1, {"CPU": 0.1}, placement.head_resources(), HEAD_CPUS if placement.head else CPUS),
     ]
-    if not cfg.rollout.score_in_engine:  # else the engines' actors score and split
+    if not cfg.scores_in_engine():  # else the engines' actors score and split
         groups.append(
             _group(
                 "split stage",

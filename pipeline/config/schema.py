@@ -197,11 +197,11 @@ class RolloutConfig:
     """Restarts of Generate replicas the run survives, all replicas together: Ray restarts a replica whose process
     or engine died, it loads the current weights and regenerates the prompts it had in flight. In push mode this
     writes every pushed version to weight_sync.store too (sync/snapshot_s); 0 turns both off."""
-    score_in_engine: bool = False
+    score_in_engine: bool | None = None
     """Score, log and split each block in its engine's actor (stages/scored_generate.py), not in a stage after it:
     one hand-off between stages fewer per block, which on short steps is a good part of a step (bench.overhead).
-    Needs engine_max_restarts=0 (a dead engine's actor takes the per-token tables it holds with it) and no
-    reference model (actor.use_kl_loss, algorithm.use_kl_in_reward)."""
+    None (the default): wherever it can, i.e. unless a reference model sits between generation and scoring
+    (actor.use_kl_loss, algorithm.use_kl_in_reward); true with a reference model is an error; false: never."""
     kv_cache_gb: int = 1
     """KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
     test_freq: int = -1
@@ -396,6 +396,15 @@ class RunConfig:
     """The simulated workload of stages.sim.generate.SimGenerate and trainer.backend=sim (stages/sim/workload.py)."""
     resume: bool = False
     """Continue the run named by trainer.run_name from its latest checkpoint."""
+
+    def uses_reference(self) -> bool:
+        """Whether the stream computes reference logprobs: for the KL loss or the KL in the reward."""
+        # actor.use_kl_loss belongs to the trainer's settings; read defensively so the stream does not depend on it.
+        return bool(getattr(self.actor, "use_kl_loss", False)) or self.algorithm.use_kl_in_reward
+
+    def scores_in_engine(self) -> bool:
+        """rollout.score_in_engine resolved: on unless set false or a reference model needs a stage of its own."""
+        return self.rollout.score_in_engine is not False and not self.uses_reference()
 
 
 def monitor_names(value: Any) -> list[str]:

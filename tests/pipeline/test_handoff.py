@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from schemas import PER_TOKEN_COLUMNS, SAMPLE_SCHEMA
+from schemas import PER_TOKEN_COLUMNS, SAMPLE_SCHEMA, TOKEN_TABLE_COLUMNS
 from stages.advantage import whiten_step
 from stages.handoff import ByReference, SplitTokens, StepRows, TokenTables
 from stages.sink import TrainingSink
@@ -145,3 +145,30 @@ def test_a_block_cut_in_rows_is_joined_from_its_one_table(ray_session):
         sid = mb["sample_id"][0]
         assert mb["response_ids"][0] == original[sid]["response_ids"]
         assert mb["token_param_version"][0] == original[sid]["token_param_version"]
+
+
+def test_a_table_handed_to_its_owner_outlives_the_stage_that_made_it(ray_session):
+    """An engine's actor scores and splits its blocks (stages/scored_generate.py), and Ray restarts a dead engine:
+    its tables must not die with it. A stage that hands them to TokenTables.own leaves nothing in its own process;
+    a block made again under the same name replaces its table instead of leaving a second one behind."""
+    ray = ray_session
+    rng = np.random.default_rng(2)
+    tables = TokenTables.start()
+    owners = TokenTables.owners(tables)
+    assert list(owners.values()) == [tables]  # one node: the driver's TokenTables owns them itself
+    forwarding = ray.remote(TokenTables).options(num_cpus=0).remote(tables)  # as on a node of its own
+    stage = ray.remote(SplitTokens).options(num_cpus=0)
+    made = {}
+    for owner, pid in ((tables, "a"), (forwarding, "b")):
+        maker = stage.remote(owner, owned_by_tables=True)
+        block = _group(pid, 0, rng)
+        made[pid] = (ray.get(maker.__call__.remote(block)), block)
+        ray.get(maker.__call__.remote(block))  # the same block again, as after a restart: same name, one table
+        ray.kill(maker)  # the process that made the tables is gone
+    assert ray.get(tables.held.remote()) == 2
+    keys = [light[TOKEN_TABLE_COLUMNS[0]][0].as_py() for light, _ in made.values()]
+    refs = [ref[0] for ref in ray.get(tables.take.remote(keys))]
+    for (light, block), ref in zip(made.values(), refs, strict=True):
+        rows = StepRows([light.drop_columns(list(TOKEN_TABLE_COLUMNS))], [[ref]])
+        joined = rows.resolve()[0]
+        assert joined["response_ids"] == block["response_ids"].to_pylist()

@@ -5,9 +5,9 @@ A head and three worker nodes, each a raylet of its own joined to the head (infr
 two ranks (FSDP2) over two nodes (verl's `trainer.n_gpus_per_node=1 trainer.nnodes=2`), two engine replicas and
 `ray.placement=required`. Ray's own record of the run's actors (the state API on the head's dashboard, which reads
 the GCS and keeps ended actors) says which node ran each: the two trainer ranks on the two trainer nodes, one each
-(they meet on rank 0's node address, 127.0.0.1 here), both Generate replicas and the split stage's actors (reward,
-advantage, sample log, hand-off) on the rollout node, the version clock and the staleness gate on the head. The run
-passes its audit.
+(they meet on rank 0's node address, 127.0.0.1 here), both Generate replicas (which score, log and split their blocks)
+and the actor that owns their per-token tables on the rollout node, the version clock, the staleness gate and the
+driver's TokenTables on the head. The run passes its audit.
 
 The job runs in a process of its own: this pytest process may hold the local Ray of the other pipeline tests, and a
 process joins one cluster. The cluster is stopped by its nodes' PIDs (local_cluster.down), never by `ray stop`.
@@ -33,7 +33,7 @@ WORKERS = [
     ({"trainer": 1}, 1),
     ({"trainer": 1}, 1),
     ({"rollout": 1}, 3),
-]  # (marker, CPUs): a trainer rank each (every trainer node's bundle holds a CPU); 2 engines and the 2 split actors
+]  # (marker, CPUs): a trainer rank each (every trainer node's bundle holds a CPU); 2 engines
 SHORT = [*SMALL, "rollout.total_rollout_steps=16"]  # 4 steps of 4 prompts
 
 
@@ -121,13 +121,13 @@ def test_trainer_engines_and_control_actors_run_on_their_nodes(tmp_path):
     ranks = [a for a in actors if (a.get("repr_name") or a["class_name"]).endswith(("Trainer", "Rank"))]
     assert len({a["node_id"] for a in ranks}) == 2, where  # one rank on each trainer node
     trainer = [kinds.get(a["node_id"], "?") for a in ranks]
-    generate = [node for name, node in where if "(VLLMGenerate)" in name]
-    split = [node for name, node in where if "(SplitTokens)" in name]
+    generate = [node for name, node in where if "(ScoredGenerate)" in name]
+    tables = sorted(node for name, node in where if name == "TokenTables")
     gate = [node for name, node in where if "(StalenessGate)" in name]
     clock = [node for name, node in where if name == "VersionClock"]
     assert trainer == ["trainer", "trainer"], where
     assert generate == ["rollout", "rollout"], where
-    assert split == ["rollout", "rollout"], where  # each block scored and split beside the engines
+    assert tables == ["head", "rollout"], where  # the driver's, and the owner of the tables made beside the engines
     assert gate == clock == ["head"], where
 
     summary = json.loads((tmp_path / "placed" / "summary.json").read_text())

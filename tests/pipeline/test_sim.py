@@ -63,10 +63,10 @@ def test_sim_times_match_the_closed_forms(run_job):
 def test_sim_partial_rollout_keeps_every_token_and_passes_the_audit(run_job, mode, turns, in_engine):
     # Responses of 40 s (0.8 s of wall) against steps of 32 s: every sync lands in the middle of responses; with
     # 3 turns, also in their tool calls (4 s each), which it does not interrupt. One of the two runs scores in the
-    # engine's actor (rollout.score_in_engine), the other in the stream's last stage: the same checks hold for both.
+    # engine's actor (rollout.score_in_engine, the default), the other in the stream's last stage: the same checks
+    # hold for both.
     summary, run_dir = run_job(
         f"rollout.score_in_engine={in_engine}",
-        f"rollout.engine_max_restarts={0 if in_engine else 3}",
         *COMMON,
         "sim.length_sigma=0.5",
         "sim.length_mean=400",

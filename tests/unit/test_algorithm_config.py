@@ -9,7 +9,7 @@ import pytest
 from pipeline.config import ConfigError, load_config
 from pipeline.config.schema import AdvEstimator, KLType
 from pipeline.observe.metrics import reward_kl_metrics
-from pipeline.stream import advantage_stage, reference_model_dir, step_transform, uses_reference
+from pipeline.stream import advantage_stage, reference_model_dir, step_transform
 from stages.advantage import (
     ESTIMATORS,
     GRPOAdvantage,
@@ -139,11 +139,11 @@ def test_kl_in_reward_needs_a_stage_that_takes_it():
 
 
 def test_reference_stage_only_when_a_kl_needs_it():
-    assert not uses_reference(load_config(None))
-    assert uses_reference(load_config(None, ["algorithm.use_kl_in_reward=true"]))
+    assert not load_config(None).uses_reference()
+    assert load_config(None, ["algorithm.use_kl_in_reward=true"]).uses_reference()
     cfg = load_config(None)
     cfg.actor.use_kl_loss = True  # the trainer's key (PolicySettings); set here as the config would
-    assert uses_reference(cfg)
+    assert cfg.uses_reference()
 
 
 def test_reference_model_is_the_start_even_on_resume():

@@ -72,12 +72,12 @@ def test_cross_field_checks():
         load_config("/nonexistent/x.yaml")
 
 
-def test_scoring_in_the_engine_needs_no_restarts_and_no_reference_model():
-    with pytest.raises(ConfigError, match="set rollout.engine_max_restarts=0, or rollout.score_in_engine=false"):
-        load_config(None, ["rollout.score_in_engine=true"])  # the default survives 3 engine restarts
+def test_scoring_in_the_engine_by_default_unless_a_reference_model_needs_its_stage():
+    assert load_config(None).scores_in_engine()  # with engine restarts (the default 3)
+    assert not load_config(None, ["rollout.score_in_engine=false"]).scores_in_engine()
+    assert not load_config(None, ["algorithm.use_kl_in_reward=true"]).scores_in_engine()  # unset: the stage path
     with pytest.raises(ConfigError, match="reference model.*actor.use_kl_loss"):
-        load_config(None, ["rollout.score_in_engine=true", "rollout.engine_max_restarts=0", "actor.use_kl_loss=true"])
-    assert load_config(None, ["rollout.score_in_engine=true", "rollout.engine_max_restarts=0"]).rollout.score_in_engine
+        load_config(None, ["rollout.score_in_engine=true", "actor.use_kl_loss=true"])
 
 
 def test_sim_section_and_backend_are_checked():

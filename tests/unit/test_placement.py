@@ -55,7 +55,9 @@ def test_a_layout_that_fits_passes():
 
 
 def test_too_many_engines_for_the_rollout_nodes_names_asked_available_and_keys():
-    message = problem(cfg_of("rollout.num_replicas=4"), SPLIT)
+    message = problem(cfg_of("rollout.num_replicas=4"), SPLIT)  # the engines' actors score and split
+    assert "4 x engine (1 CPU) ask for 4 CPU on nodes with `rollout`, which has 3 CPU" in message
+    message = problem(cfg_of("rollout.num_replicas=4", "rollout.score_in_engine=false"), SPLIT)
     # the split stage's actors go beside the engines: one per replica, 0.25 CPU each
     assert (
         "4 x engine (1 CPU), 4 x split stage (0.25 CPU) ask for 5 CPU on nodes with `rollout`, which has 3 CPU"
@@ -67,12 +69,14 @@ def test_too_many_engines_for_the_rollout_nodes_names_asked_available_and_keys()
 
 def test_too_many_engines_on_one_machine():
     message = problem(cfg_of("rollout.num_replicas=8"), ONE_MACHINE)
-    assert "ask for 11.1 CPU on the cluster, which has 8 CPU" in message
+    assert "ask for 9.1 CPU on the cluster, which has 8 CPU" in message
+    message = problem(cfg_of("rollout.num_replicas=8", "rollout.score_in_engine=false"), ONE_MACHINE)
+    assert "ask for 11.1 CPU on the cluster, which has 8 CPU" in message  # and 8 split actors
     assert "ray.num_cpus" in message and "rollout.num_replicas" in message
 
 
 def test_required_without_marked_nodes_fails():
-    message = problem(cfg_of("ray.placement=required"), ONE_MACHINE)
+    message = problem(cfg_of("ray.placement=required", "rollout.score_in_engine=false"), ONE_MACHINE)
     assert "the trainer must go on nodes with `trainer`, and no node has it" in message
     assert "the engine and the split stage must go on nodes with `rollout`, and no node has it" in message
     assert "ray.trainer_resource" in message
@@ -109,6 +113,10 @@ def test_a_megatron_tp_group_must_fit_on_one_trainer_node(tp, pp, fits):
 
 def test_the_validation_engine_counts_as_an_engine():
     cfg = cfg_of("rollout.num_replicas=3", "async_training.use_trainer_do_validate=true")
+    assert "4 x engine (1 CPU) ask for 4 CPU" in problem(cfg, SPLIT)
+    cfg = cfg_of(
+        "rollout.num_replicas=3", "async_training.use_trainer_do_validate=true", "rollout.score_in_engine=false"
+    )
     assert "4 x engine (1 CPU), 3 x split stage (0.25 CPU) ask for 4.75 CPU" in problem(cfg, SPLIT)
 
 

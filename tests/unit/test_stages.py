@@ -295,6 +295,18 @@ def test_sample_log_writes_every_column(tmp_path):
     assert written.schema == SAMPLE_SCHEMA and written["token_param_version"].to_pylist() == [[0, 1]]
 
 
+def test_a_block_logged_again_replaces_its_shard(tmp_path):
+    """A replica that dies after logging a block runs it again on restart: its samples are logged once."""
+    row = {name: None for name in SAMPLE_SCHEMA.names}
+    block = pa.Table.from_pylist([{**row, "sample_id": f"p/{i}"} for i in range(2)], schema=SAMPLE_SCHEMA)
+    log = SampleLog(str(tmp_path / "samples"))
+    log(block)
+    log(block.take([1, 0]))  # the retry, in any order
+    log(block.slice(0, 1))  # another block
+    shards = sorted((tmp_path / "samples").iterdir())
+    assert len(shards) == 2 and sorted(pq.read_table(shard).num_rows for shard in shards) == [1, 2]
+
+
 def test_a_shard_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     import pyarrow.dataset as pds
 
