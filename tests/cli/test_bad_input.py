@@ -118,13 +118,13 @@ def test_a_reward_function_verl_cannot_call_fails_at_start(tmp_path):
 
 
 def test_a_layout_the_cluster_cannot_place_fails_at_start(tmp_path):
-    # A local Ray of 2 logical CPUs cannot hold the trainer and two engines (a CPU each), the gate and the two split
-    # actors (0.1, 0.25 each): without the check one engine would wait for a CPU for ever and the run would hang.
+    # A local Ray of 2 logical CPUs cannot hold the trainer and two engines (a CPU each) and the gate (0.1): without
+    # the check one engine would wait for a CPU for ever and the run would hang.
     start = time.monotonic()
     args = ["ray.num_cpus=2", "rollout.num_replicas=2", "model.warm_start_steps=0", "trainer.monitor=jsonl"]
     msg = one_error(asyncrl("run", *args, tmp_path=tmp_path))
     assert "the Ray cluster cannot place this layout" in msg
-    assert "ask for 3.6 CPU on the cluster, which has 2 CPU. Nodes: head: 2 CPU" in msg
+    assert "ask for 3.1 CPU on the cluster, which has 2 CPU. Nodes: head: 2 CPU" in msg
     assert "rollout.num_replicas" in msg and "ray.num_cpus" in msg
     assert time.monotonic() - start < 120  # Ray's start, then the check: before any actor
 
