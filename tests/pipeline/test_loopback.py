@@ -1,6 +1,8 @@
-"""Every server a run starts listens on loopback only: Ray's GCS, raylet, workers, and the engines they host."""
+"""Every server a run starts listens on loopback only: Ray's GCS, raylet, workers, and the engines they host; and
+what a run started in a Ray session that outlives it ends with the run."""
 
 import ipaddress
+import time
 
 import psutil
 import pytest
@@ -25,3 +27,24 @@ def test_everything_we_started_listens_on_loopback(partial_run):
         (c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()) for c in listening if not is_loopback(c.laddr.ip)
     ]
     assert not exposed
+
+
+@pytest.mark.slow
+def test_the_streams_actors_and_engines_end_with_the_run(partial_run):
+    # The shared run scored in its engine's actor; the Ray session (pytest's) lives on. A stage actor left alive
+    # keeps its vLLM processes, which spin: each later run of the session would be slower.
+    def left() -> list[str]:
+        names = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                cmdline = " ".join(proc.cmdline())
+            except psutil.Error:
+                continue
+            if "MapWorker(" in cmdline or "VLLM::" in cmdline or proc.name().startswith("VLLM"):
+                names.append(cmdline[:60] or proc.name())
+        return names
+
+    deadline = time.monotonic() + 30  # the kill reaches the processes in a moment
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left()
