@@ -59,23 +59,23 @@ class TokenTables:
     def owners(tables, marker: str = "") -> dict[str, object]:
         """Node id -> the actor that owns the tables put on that node: `tables` itself on its own node, a
         TokenTables forwarding to it on every other node alive now (with `marker`, only those with that resource:
-        where the engines go). They live as long as the driver's stream."""
+        where the engines go). `tables` starts them, so they die with it (ByReference.close kills it)."""
+        import ray
+
+        return ray.get(tables.start_owners.remote(marker))
+
+    def start_owners(self, marker: str) -> dict[str, object]:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        home = ray.get(tables.node.remote())
-        owners = {home: tables}
+        me = ray.get_runtime_context()
+        owners = {me.get_node_id(): me.current_actor}
         for node in ray.nodes():
             if node["Alive"] and node["NodeID"] not in owners and (not marker or node["Resources"].get(marker)):
                 on_node = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
                 actor = ray.remote(TokenTables).options(num_cpus=0, scheduling_strategy=on_node)
-                owners[node["NodeID"]] = actor.remote(tables)
+                owners[node["NodeID"]] = actor.remote(me.current_actor)  # an actor's actors end with it
         return owners
-
-    def node(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
 
     def keep(self, key: str, ref: list) -> None:
         self.tables[key] = ref  # in a list: an ObjectRef passed bare would be fetched here
@@ -208,9 +208,13 @@ class ByReference:
         (force=False) drops the actors' handles and lets each end after its calls, and an engine's actor that
         scores in the engine outlived most short runs that way in one Ray session (its vLLM processes with it,
         spinning: a pytest session slowed down run after run; the call it waits for was not found). Nothing of the
-        stream is needed any more: the driver has taken every table it trains on."""
+        stream is needed any more: the driver has taken every table it trains on. The tables' actors go too (the
+        TokenTables and the owners it started): what they still hold are tables of prompts nothing will train on."""
+        import ray
+
         if self.executor is not None:
             self.executor.shutdown(force=True)
+            ray.kill(self.tables)
 
 
 @dataclass

@@ -134,11 +134,11 @@ def test_a_block_cut_in_rows_is_joined_from_its_one_table(ray_session):
     reader = ByReference(stream.repartition(target_num_rows_per_block=1), tables)
     delivered = list(itertools.islice(reader, 12))  # every row; the stream is held open
     rows = StepRows([d.light for d in delivered], [[d.ref] for d in delivered]).resolve()
+    assert not reader.partial and ray.get(tables.held.remote()) == 0  # nothing left behind once every row came
     ray.get(release.set.remote())
     reader.close()
     assert [d.light.num_rows for d in delivered] == [1] * 12  # Ray Data cut every split block into rows
     assert len({d.ref for d in delivered}) == 3  # one table per split block, taken once
-    assert not reader.partial and ray.get(tables.held.remote()) == 0  # nothing left behind once every row came
     original = {r["sample_id"]: r for r in pa.concat_tables(blocks).to_pylist()}
     assert sorted(r["sample_id"][0] for r in rows) == sorted(original)
     for mb in rows:
@@ -172,3 +172,5 @@ def test_a_table_handed_to_its_owner_outlives_the_stage_that_made_it(ray_session
         rows = StepRows([light.drop_columns(list(TOKEN_TABLE_COLUMNS))], [[ref]])
         joined = rows.resolve()[0]
         assert joined["response_ids"] == block["response_ids"].to_pylist()
+    for actor in (forwarding, tables):
+        ray.kill(actor)  # as ByReference.close does: no TokenTables outlives its stream in the session
