@@ -31,10 +31,11 @@ MODES = {
     ],
 }
 # --shapes: the default job with its calls cut differently (rollout.prompts_per_call x rollout.calls_in_flight): the
-# same algorithm, other blocks through the stream.
+# same algorithm, other blocks through the stream. First the default's (conf/default.yaml), then the earlier default
+# (all 8 prompts of a version in the engine at once) and a shape between them.
 SHAPES = {
     f"async, {ppc} x {calls} per call": [f"rollout.prompts_per_call={ppc}", f"rollout.calls_in_flight={calls}"]
-    for ppc, calls in ((2, 4), (4, 3), (8, 2))
+    for ppc, calls in ((4, 1), (2, 4), (2, 2))
 }
 WINDOW = 8  # steps in the rolling mean of the reward
 
