@@ -2,7 +2,9 @@
 process, for models of ~1M to ~100M parameters, next to this machine's memory-copy bandwidth for the same tensors.
 
 Both ends are the pipeline's code (stages/trainer/weight_sync.py, stages/vllm_worker.py); only vLLM's
-`reload_weights` is replaced by a copy into preallocated buffers, so the figure is the transport's.
+`reload_weights` is replaced by a copy into preallocated buffers, so the figure is the transport's. Then a model of
+small tensors (the embedded job's: 27 tensors, 1.9 MB), pushed as a run pushes it (small tensors packed into one
+broadcast) against one push per tensor (one broadcast each, as before the packing).
 
     python -m bench.weight_sync            # about a minute on 2 cores
 """
@@ -18,6 +20,13 @@ SIZES = {"1M": 1_000_000, "10M": 10_000_000, "100M": 100_000_000}
 REPEATS = 3
 
 
+def small_model_shapes(vocab: int = 291, hidden: int = 128, ffn: int = 384, kv: int = 64, layers: int = 2):
+    """A Qwen2-style model's tensors (the embedded job's by default), in its checkpoint's order of kinds."""
+    layer = [[hidden, ffn], [ffn, hidden], [ffn, hidden], [hidden], [kv], [kv, hidden], [hidden, hidden], [hidden]]
+    layer += [[hidden, hidden], [kv], [kv, hidden], [hidden]]
+    return [[vocab, hidden], [vocab, hidden], [hidden]] + layer * layers
+
+
 def layer_shapes(params: int, hidden: int = 512) -> list[list[int]]:
     """Square matrices of `hidden` (a transformer's projections), enough of them for `params`."""
     hidden = min(hidden, int(params**0.5))
@@ -28,40 +37,50 @@ class _Runner:
     """Stands in for vLLM's model runner: loads the streamed tensors into buffers it owns."""
 
     def __init__(self, shapes: list[list[int]]) -> None:
-        self.buffers = [torch.empty(s) for s in shapes]
+        self.buffers = {f"w{i}": torch.empty(s) for i, s in enumerate(shapes)}
 
     def reload_weights(self, weights_iterator) -> None:
-        for buf, (_, tensor) in zip(self.buffers, weights_iterator, strict=True):
-            buf.copy_(tensor)
+        for name, tensor in weights_iterator:
+            self.buffers[name].copy_(tensor)
+
+    def get_model(self) -> torch.nn.Module:
+        return torch.nn.Module()
 
 
-def _engine(host: str, port: int, shapes: list[list[int]], rounds: int) -> None:
-    from stages.vllm_worker import WeightReceiver
+def _engine(host: str, port: int, shapes: list[list[int]], rounds: int, one_by_one: bool) -> None:
+    from stages.vllm_worker import WeightReceiver, repack_cpu_experts
 
     torch.set_num_threads(1)
+    repack_cpu_experts(torch.nn.Module())  # its vLLM imports (seconds) before the clock starts, not in a push
     receiver = WeightReceiver()
-    receiver.model_runner = _Runner(shapes)
+    receiver.model_runner, receiver.rank = _Runner(shapes), 0
     receiver.init_weight_group(host, port, 1, 2, "gloo")
     names, dtypes = [f"w{i}" for i in range(len(shapes))], ["float32"] * len(shapes)
+    cut = [slice(i, i + 1) for i in range(len(shapes))] if one_by_one else [slice(None)]
     for _ in range(rounds):
-        receiver.receive_weights(names, shapes, dtypes)
+        for part in cut:
+            receiver.receive_weights(names[part], shapes[part], dtypes[part])
 
 
-def measure(shapes: list[list[int]]) -> tuple[float, float, float]:
-    """(bytes, seconds per push, seconds per memory copy of the same tensors)."""
+def measure(shapes: list[list[int]], one_by_one: bool = False) -> tuple[float, float, float]:
+    """(bytes, seconds per push, seconds per memory copy of the same tensors); `one_by_one`: a push per tensor."""
     from stages.trainer.weight_sync import BroadcastWeightSync
 
     tensors = [torch.randn(s) for s in shapes]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     sync = BroadcastWeightSync()
     group = sync.open(2)
-    engine = mp.get_context("spawn").Process(target=_engine, args=(group["host"], group["port"], shapes, REPEATS + 1))
+    args = (group["host"], group["port"], shapes, REPEATS + 1, one_by_one)
+    engine = mp.get_context("spawn").Process(target=_engine, args=args)
     engine.start()
     sync.wait_open()
-    sync.push(tensors)  # warm-up: connections and the receiver's first allocations
+    pushes = [[t] for t in tensors] if one_by_one else [tensors]
+    for push in pushes:  # warm-up: connections and the receiver's first allocations
+        sync.push(push)
     start = time.perf_counter()
     for _ in range(REPEATS):
-        sync.push(tensors)
+        for push in pushes:
+            sync.push(push)
     push_s = (time.perf_counter() - start) / REPEATS
     engine.join(120)
     if engine.exitcode != 0:
@@ -88,6 +107,12 @@ def main() -> None:
             f"{nbytes / copy_s / 1e9:>12.2f} {copy_s / push_s:>12.2f}"
         )
     print("gloo over loopback, one engine, float32; memcpy: the same tensors copied in this process, one thread")
+    small = small_model_shapes()
+    nbytes, packed_s, _ = measure(small)
+    _, one_s, _ = measure(small, one_by_one=True)
+    head = f"small tensors ({len(small)}, {nbytes / 1e6:.1f} MB, the embedded model's)"
+    print(f"\n{head}: {packed_s * 1e3:.1f} ms per push packed, {one_s * 1e3:.1f} ms one broadcast per tensor")
+    print(f"packed is {one_s / packed_s:.1f}x faster")
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ vLLM mixes one class into every engine worker (`worker_extension_cls`): `EngineW
 
 Weight sync: The trainer and the workers share one private process group (created with vLLM's stateless init, so
 neither side's global torch.distributed state is touched: Megatron's groups and ours never collide). The trainer is
-rank 0 and broadcasts each tensor; every worker of an engine (one per tensor-parallel rank) is a member, receives
-each tensor whole and loads its own shard of it (vLLM's weight loaders cut it). A worker receives the tensors lazily
-inside the iterator it hands to `reload_weights`, which brackets the copy with vLLM's layerwise reload (CPU linear
-layers repack their weights after loading, so a plain `load_weights` after start-up would be wrong). Only one tensor
-is in flight at a time: no second copy of the model. Pull mode's file is read and loaded by every worker alike.
+rank 0 and broadcasts the tensors (small ones packed into one buffer, stages/trainer/weight_sync.py: `packed`); every
+worker of an engine (one per tensor-parallel rank) is a member, receives each tensor whole and loads its own shard of
+it (vLLM's weight loaders cut it). A worker receives the tensors lazily inside the iterator it hands to
+`reload_weights`, which brackets the copy with vLLM's layerwise reload (CPU linear layers repack their weights after
+loading, so a plain `load_weights` after start-up would be wrong). Only one large tensor or one buffer of small ones
+(16 MiB at most) is in flight at a time: no second copy of the model. Pull mode's file is read and loaded by every
+worker alike.
 
 After every reload the CPU MoE experts are packed again (`repack_cpu_experts`): vLLM's reload leaves them in the
 checkpoint layout, which its CPU kernel reads as garbage.
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.trainer.weight_sync import OP_TIMEOUT, broadcast_object
+from stages.trainer.weight_sync import OP_TIMEOUT, broadcast_object, layout, packed, size_of, unpack
 
 # Requests whose routes were captured but never fetched (their caller failed) are dropped beyond this many, oldest
 # first, so that the capture cannot grow without bound.
@@ -76,10 +78,20 @@ class WeightReceiver:
             if self._weight_ipc:
                 yield from self._receive_ipc(names)
                 return
-            for name, shape, dtype in zip(names, shapes, dtypes, strict=True):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                dist.broadcast(tensor, group=self._weight_group, group_src=0)
-                yield name, tensor
+            entries = [(n, s, getattr(torch, d)) for n, s, d in zip(names, shapes, dtypes, strict=True)]
+            for group in packed(entries, lambda e: size_of(e[1], e[2])):
+                if len(group) == 1:
+                    ((name, shape, dtype),) = group
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
+                    dist.broadcast(tensor, group=self._weight_group, group_src=0)
+                    yield name, tensor
+                    continue
+                # A buffer of its own per broadcast: the loader may still hold views of the one before.
+                _, total = layout([size_of(s, d) for _, s, d in group])
+                flat = torch.empty(total, dtype=torch.uint8, device=device)
+                dist.broadcast(flat, group=self._weight_group, group_src=0)
+                tensors = unpack(flat, [s for _, s, _ in group], [d for _, _, d in group])
+                yield from zip([n for n, _, _ in group], tensors, strict=True)
 
         self.model_runner.reload_weights(weights_iterator=stream())
         repack_cpu_experts(self.model_runner.get_model())
