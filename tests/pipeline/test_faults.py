@@ -109,7 +109,10 @@ def test_dead_replica_and_dead_engine_are_replaced_and_nothing_is_lost(tmp_path)
     # end: a replica whose engine dies while idle has no prompt in flight to hold the stream up, and the other
     # replica alone goes on at a step every 1-2 s, while a restart (vLLM's start on a loaded 2-core machine) takes
     # up to about 100 s.
-    run = Run(tmp_path, "engines", "rollout.total_rollout_steps=896", "rollout.num_replicas=2")
+    # The call shape is the one the default job had until it took one call of 4 prompts at a time: with that one,
+    # the replica left alone ran the job at two steps a second and finished it while the other one restarted.
+    shape = ["rollout.prompts_per_call=2", "rollout.calls_in_flight=4"]
+    run = Run(tmp_path, "engines", "rollout.total_rollout_steps=896", "rollout.num_replicas=2", *shape)
     run.wait_for(lambda: run.steps() >= 5 and _replica(run, 0, 0))
     os.kill(_replica(run, 0, 0)["pid"], signal.SIGKILL)  # the Generate actor's process
     run.wait_for(lambda: _replica(run, 0, 1))  # back, as the same replica
