@@ -1,7 +1,7 @@
 """Reward: score each response in worker processes, concurrently, and kill a scorer that hangs.
 
-Input columns:  sample_id, response_text, ground_truth, data_source (agent_turns too, when present: a custom
-                function's extra_info["num_turns"] comes from it)
+Input columns:  sample_id, response_text, ground_truth, data_source (agent_turns and reward_sources too, when
+                present: a custom function's extra_info["num_turns"] and ["reward_scores"] come from them)
 Output columns: input columns + reward (float32), reward_error (string, null when scoring succeeded),
                 reward_extra_info (string: a custom function's dict keys other than `score` as a JSON object,
                 null otherwise)
@@ -87,7 +87,9 @@ class Reward:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         require_columns(batch, _NEEDS, "Reward")
-        columns = _NEEDS + (["agent_turns"] if self.custom_path and "agent_turns" in batch.column_names else [])
+        # A custom function's extra_info: num_turns from agent_turns, reward_scores from the model sources' records.
+        extra = ("agent_turns", "reward_sources")
+        columns = _NEEDS + [c for c in extra if self.custom_path and c in batch.column_names]
         rows = batch.select(columns).to_pylist()
         scores = self._score_all(rows) if rows else []
         rewards, errors, extras = zip(*scores, strict=True) if scores else ((), (), ())
