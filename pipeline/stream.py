@@ -1,6 +1,6 @@
-"""Wire the Ray Data stream from the config: source -> gate -> generate -> [reference logprobs] -> reward ->
-advantage -> sample log -> split (the last four in the engine's actor unless a reference model needs its stage: see
-stages/scored_generate.py); and the step-level operation the training sink applies (advantage whitening).
+"""Wire the Ray Data stream from the config: source -> gate -> generate -> [reference logprobs] -> [reward model] ->
+reward -> advantage -> sample log -> split (the last four in the engine's actor unless a model needs a stage between:
+see stages/scored_generate.py); and the step-level operation the training sink applies (advantage whitening).
 
 The source (`prompt_dataset`) reads the prompts lazily, paced by the gate's admissions: nothing of it grows with
 rollout.total_rollout_steps.
@@ -26,7 +26,15 @@ from ray.data._internal.execution import metadata_fetcher, streaming_executor_st
 from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, check_signature, import_target, stage_kwargs
-from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, split_actors
+from pipeline.config.placement import (
+    RM_CPUS,
+    SPLIT_CPUS,
+    Placement,
+    engine_gpus,
+    layout,
+    reward_model_gpus,
+    split_actors,
+)
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
 from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
@@ -34,6 +42,9 @@ from pipeline.tasks.source import PromptDataError
 from stages.advantage import ESTIMATORS, whiten_step
 from stages.gate import StalenessGate
 from stages.handoff import SplitTokens, TokenTables
+from stages.remote_reward import RemoteReward
+from stages.reward_model import RewardModel
+from stages.reward_sources import RewardSources
 from stages.sample_log import SampleLog
 from stages.scored_generate import ScoredGenerate
 
@@ -132,6 +143,41 @@ def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
     return whiten_step if getattr(cls, "whiten_over_step", False) else None
 
 
+def reward_step(cfg: RunConfig) -> RewardSources:
+    """The reward step: the rule stage (`stages.reward`, with the custom reward function) unless a model source alone
+    gives the reward, the remote service when reward.remote.url is set, and the failure policy
+    (stages/reward_sources.py)."""
+    crf, rw = cfg.custom_reward_function, cfg.reward
+    remote = RemoteReward(**dataclasses.asdict(rw.remote)) if rw.remote.url else None
+    rule = None
+    if crf.path or not (rw.reward_model.enable or remote):
+        provided = {"custom_path": crf.path, "custom_name": crf.name, "reward_kwargs": dict(crf.reward_kwargs)}
+        reward_cls, reward_kwargs = _construct(cfg.stages.reward, "stages.reward", provided)
+        rule = reward_cls(**reward_kwargs)
+    return RewardSources(
+        rule,
+        rule_name="custom" if crf.path else "rule",
+        remote=remote,
+        model_sources=("reward_model",) if rw.reward_model.enable else (),
+        on_error=rw.on_error,
+        max_attempts=rw.max_attempts,
+        backoff_s=rw.retry_backoff_s,
+    )
+
+
+def reward_model_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """The reward-model stage's keywords (reward.reward_model); it retries a failed forward pass only under
+    reward.on_error=retry."""
+    rm, rw = cfg.reward.reward_model, cfg.reward
+    return {
+        "model_path": rm.model_path,
+        "micro_batch_size": rm.micro_batch_size_per_gpu,
+        "max_length": rm.max_length,
+        "dtype": rm.dtype,
+        "max_attempts": rw.max_attempts if rw.on_error == "retry" else 1,
+    }
+
+
 def reference_model_dir(cfg: RunConfig, model_dir: str, run_dir: str) -> str:
     """The weights the run started from: model_dir, except on resume, where model_dir holds the checkpoint's and
     the start is model.path (or the embedded model prepare_model built into the run directory)."""
@@ -197,12 +243,6 @@ def build_stream(
     clock_name, namespace = clock
     ro = cfg.rollout
     gen_cls, gen_kwargs = generate_stage(cfg, model_dir, clock, version)
-    crf = cfg.custom_reward_function
-    reward_cls, reward_kwargs = _construct(
-        cfg.stages.reward,
-        "stages.reward",
-        {"custom_path": crf.path, "custom_name": crf.name, "reward_kwargs": dict(crf.reward_kwargs)},
-    )
     adv_cls, adv_kwargs = advantage_stage(cfg)
     where = placement(cfg)
 
@@ -238,7 +278,7 @@ def build_stream(
             max_concurrent_calls_per_actor=ro.calls_in_flight,
         ),
     )
-    scoring = [reward_cls(**reward_kwargs), adv_cls(**adv_kwargs), SampleLog(f"{run_dir}/samples")]
+    scoring = [reward_step(cfg), adv_cls(**adv_kwargs), SampleLog(f"{run_dir}/samples")]
     if cfg.scores_in_engine():  # one hop fewer: the engine's actor scores, logs and splits (stages/scored_generate.py)
         owners = TokenTables.owners(tables, where.rollout)  # of the tables, beside the engines
         generate = {"generate": (gen_cls, gen_kwargs), "scoring": scoring, "owners": owners}
@@ -255,6 +295,17 @@ def build_stream(
             batch_format="pyarrow",
             num_cpus=0.5,  # a fraction: a stage actor holding a whole CPU can deadlock a 2-core box
             compute=ActorPoolStrategy(size=1),
+        )
+    rm = cfg.reward.reward_model
+    if rm.enable:  # in actors of its own, on GPUs where the cluster has them
+        ds = ds.map_batches(
+            RewardModel,
+            fn_constructor_kwargs=reward_model_kwargs(cfg),
+            batch_size=None,
+            batch_format="pyarrow",
+            num_cpus=RM_CPUS,
+            num_gpus=reward_model_gpus(cfg, ray.cluster_resources().get("GPU", 0)),
+            compute=ActorPoolStrategy(size=rm.num_replicas),
         )
     # Ray Data fuses these three task stages into the split stage's actors: one call per block. An actor, not a task:
     # the per-token tables it puts in the object store live as long as the process that put them (stages/handoff.py).

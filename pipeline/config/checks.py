@@ -4,6 +4,7 @@ after the merge."""
 
 from __future__ import annotations
 
+from pipeline.config.reward import reward_checks
 from pipeline.config.schema import (
     ConfigError,
     CustomRewardFunctionConfig,
@@ -75,6 +76,7 @@ def validate(cfg: RunConfig) -> None:
         + _trainer_rank_checks(cfg)
         + _fsdp_checks(cfg)
         + _reward_checks(cfg)
+        + reward_checks(cfg.reward, bool(cfg.custom_reward_function.path), cfg.rollout.score_in_engine)
         + _engine_tp_checks(cfg)
     ):
         if not ok:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from pipeline.config.checks import validate
+from pipeline.config.reward import REWARD_ALIASES
 from pipeline.config.schema import ConfigError, RunConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -28,7 +29,7 @@ VERL_ALIASES = {
     "actor.optim.weight_decay": "actor.weight_decay",
     "actor.optim.clip_grad": "actor.grad_clip",
     "actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
-}
+} | REWARD_ALIASES
 
 
 def _translate_verl(layer: DictConfig) -> DictConfig:

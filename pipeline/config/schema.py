@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from pipeline.config.reward import RewardConfig
 from stages.sim.workload import Workload
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 
@@ -392,6 +393,8 @@ class RunConfig:
     stages: StagesConfig = field(default_factory=StagesConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     """verl's custom reward function (top level, as in verl)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward model, the remote reward service and the failure policy (pipeline/config/reward.py)."""
     sim: Workload = field(default_factory=Workload)
     """The simulated workload of stages.sim.generate.SimGenerate and trainer.backend=sim (stages/sim/workload.py)."""
     resume: bool = False
@@ -403,8 +406,10 @@ class RunConfig:
         return bool(getattr(self.actor, "use_kl_loss", False)) or self.algorithm.use_kl_in_reward
 
     def scores_in_engine(self) -> bool:
-        """rollout.score_in_engine resolved: on unless set false or a reference model needs a stage of its own."""
-        return self.rollout.score_in_engine is not False and not self.uses_reference()
+        """rollout.score_in_engine resolved: on unless set false or a model (the reference, a reward model) needs a
+        stage of its own between generation and scoring."""
+        models = self.uses_reference() or self.reward.reward_model.enable
+        return self.rollout.score_in_engine is not False and not models
 
 
 def monitor_names(value: Any) -> list[str]:

@@ -1,4 +1,5 @@
-"""Audit a run from its logs alone: staleness bound, token versions, exactly-once consumption, MoE route rows.
+"""Audit a run from its logs alone: staleness bound, token versions, exactly-once consumption, MoE route rows, reward
+failures.
 
 Reads `<run>/samples` (every generated sample), `<run>/consumed` (what the trainer trained on, at which version),
 `<run>/admitted.parquet` (the gate's ledger), `<run>/config.yaml` (for the bound) and the model's config.json (for
@@ -18,6 +19,7 @@ import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
+from pipeline.observe.reward_audit import left_out, reward_failures
 from stages.staleness import StalenessBudget
 
 
@@ -86,6 +88,9 @@ def audit(run_dir: str | Path) -> AuditReport:
     ]
     if "routed_experts" in samples.column_names and samples["routed_experts"].null_count < samples.num_rows:
         report.checks.append(_route_rows(samples, route_width(run_dir)))
+    failures = reward_failures(samples)
+    if failures is not None:
+        report.checks.append(Check("every failed reward accounted for", *failures))
     report.checks.append(_admissions(admitted, consumed, report))
     return report
 
@@ -102,13 +107,16 @@ def _monotone_versions(samples: pa.Table) -> Check:
 
 def _per_token_columns(samples: pa.Table) -> Check:
     """Every per-token column has num_tokens entries, and masked tokens (an agent loop's tool results) carry
-    logprob 0: the trainer's response_mask then drops exactly them, and their versions stay in the lag bound."""
+    logprob 0: the trainer's response_mask then drops exactly them, and their versions stay in the lag bound. A
+    sample whose reward left it out of the loss is masked whole, generated tokens included (reward_audit checks it)."""
     columns = ["response_ids", "response_logprobs", "token_param_version", "response_mask"]
     bad = masked = 0
-    rows = zip(samples["num_tokens"].to_pylist(), *(samples[c].to_pylist() for c in columns), strict=True)
-    for n, ids, logprobs, versions, mask in rows:
+    rows = zip(
+        samples["num_tokens"].to_pylist(), left_out(samples), *(samples[c].to_pylist() for c in columns), strict=True
+    )
+    for n, reward_left_out, ids, logprobs, versions, mask in rows:
         lined_up = len(ids) == len(logprobs) == len(versions) == len(mask) == n
-        zeros = [i for i, m in enumerate(mask or []) if m == 0]
+        zeros = [] if reward_left_out else [i for i, m in enumerate(mask or []) if m == 0]  # masked whole: its reward
         masked += len(zeros)
         if not lined_up or any(logprobs[i] != 0.0 for i in zeros):
             bad += 1

@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.observe.reward_metrics import reward_source_metrics, trained_reward_mean
+
 
 class FullyAsyncCounters:
     """verl's fully_async/* metrics: stale counts over the whole run, partial-rollout counts per sync window."""
@@ -56,21 +58,25 @@ def step_metrics(
     table = batch.table
     lags = version - np.asarray(table["param_version"].to_pylist())
     lengths = np.asarray(table["num_tokens"].to_pylist())
-    return reward_kl_metrics(table, kl_coef) | {
-        "reward/mean": float(np.mean(table["reward"].to_pylist())),
-        "reward/error_ratio": float(np.mean([e is not None for e in table["reward_error"].to_pylist()])),
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float(np.mean([r == "length" for r in table["finish_reason"].to_pylist()])),
-        "staleness/max_lag": float(lags.max()),
-        "staleness/mean_lag": float(lags.mean()),
-        "trainer/wait_s": batch.wait_s,
-        "trainer/idle_ratio": batch.wait_s / max(batch.wait_s + train_s, 1e-9),
-        "trainer/version": float(version),
-        # The step's samples, and the part of them that crossed the driver (the rest went store -> trainer).
-        "perf/step_bytes": float(batch.driver_bytes + batch.heavy_bytes),
-        "perf/driver_bytes": float(batch.driver_bytes),
-        "gate/admitted_total": float(clock_stats["admitted_total"]),
-        "gate/outstanding": float(clock_stats["outstanding"]),
-        "gate/blocked_s": float(clock_stats["gate_blocked_s"]),
-    }
+    return (
+        reward_kl_metrics(table, kl_coef)
+        | reward_source_metrics(table)
+        | {
+            "reward/mean": trained_reward_mean(table),
+            "reward/error_ratio": float(np.mean([e is not None for e in table["reward_error"].to_pylist()])),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float(np.mean([r == "length" for r in table["finish_reason"].to_pylist()])),
+            "staleness/max_lag": float(lags.max()),
+            "staleness/mean_lag": float(lags.mean()),
+            "trainer/wait_s": batch.wait_s,
+            "trainer/idle_ratio": batch.wait_s / max(batch.wait_s + train_s, 1e-9),
+            "trainer/version": float(version),
+            # The step's samples, and the part of them that crossed the driver (the rest went store -> trainer).
+            "perf/step_bytes": float(batch.driver_bytes + batch.heavy_bytes),
+            "perf/driver_bytes": float(batch.driver_bytes),
+            "gate/admitted_total": float(clock_stats["admitted_total"]),
+            "gate/outstanding": float(clock_stats["outstanding"]),
+            "gate/blocked_s": float(clock_stats["gate_blocked_s"]),
+        }
+    )
