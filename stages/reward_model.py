@@ -15,7 +15,8 @@ score another answer. A forward pass that raises (out of memory, say) fails its 
 reason; they are scored again, alone, up to `max_attempts` calls in all (reward.on_error=retry). Each sample's
 latency_s is its micro-batch's forward pass (its attempts' together).
 
-The model runs in eval mode under torch.inference_mode, in `dtype`, on cuda:0 when the actor was given a GPU.
+The model runs in eval mode under torch.inference_mode, in `dtype`, on cuda:0 when the actor was given a GPU (else on
+`num_threads` CPU threads).
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ class RewardModel:
         max_length: int | None = None,
         dtype: str = "float32",
         max_attempts: int = 1,
+        num_threads: int = 1,
     ) -> None:
+        """`num_threads`: torch's threads on a CPU, where the stage shares a few cores with the engines and the
+        trainer."""
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -51,6 +55,8 @@ class RewardModel:
         if micro_batch_size < 1 or max_attempts < 1:
             raise ValueError(f"RewardModel needs micro_batch_size and max_attempts >= 1, got {micro_batch_size}")
         self.device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.model = AutoModelForSequenceClassification.from_pretrained(
             model_path, local_files_only=True, dtype=getattr(torch, dtype)

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from pipeline.tasks.embedded import build_model, build_tokenizer
-from pipeline.tasks.embedded_rm import CHAT_TEMPLATE
 from stages.reward_model import RewardModel, check_model_dir
 from stages.reward_sources import records_of
+
+# A chat template of the reward model's own, with roles (the policy's tokenizer has none).
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
 
 
 @pytest.fixture(scope="module")
