@@ -18,6 +18,7 @@ process tree), and the reward over the first and last 10 % of steps. Also the re
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 from bench.peers_runs import Run, run_asyncrl, run_trl
-from bench.peers_workloads import WORKLOADS, prepare
+from bench.peers_workloads import LONG_STEPS, WORKLOADS, prepare
 
 TRL_PINS = ["trl==1.16.0", "transformers==5.19.0", "accelerate==1.15.0", "datasets==5.2.0", "torch==2.13.0"]
 VENV = Path("~/.cache/asyncrl/peers-venv").expanduser()
@@ -113,16 +114,24 @@ def table(workload: str, by_system: dict[str, list[Run]]) -> str:
     """The printed table of one workload: one line per system (medians), then TRL's time over asyncrl's."""
     head = (
         f"{'system':<14} {'runs':>4} {'start-up s':>10} {'to 0.6 s':>9} {'to 0.8 s':>9} {'0.6 train s':>11} "
-        f"{'0.8 train s':>11} {'steps/s':>7} {'tokens/s':>8} {'peak GiB':>8} {'reward first -> last 10%':>24}"
+        f"{'0.8 train s':>11} {'steps/s':>7} {'tokens/s':>8} {'peak GiB':>8} {'reward first -> last 10%':>24} "
+        f"{'load':>5}"
     )
-    lines = [f"workload {workload} (medians over runs; times from launch, 'train' from the end of step 1)", head]
+    lines = [
+        f"workload {workload} (medians over runs; times from launch, 'train' from the end of step 1; load: the "
+        "machine's 1-minute load average, the higher of launch and end: 2 or less is this machine alone)",
+        head,
+    ]
     med = {}
     for system, runs in by_system.items():
+        if not runs:
+            continue
         m = med[system] = median_row([summary(r) for r in runs])
         lines.append(
             f"{system:<14} {len(runs):>4} {m['startup_s']:>10.1f} {m['to0.6']:>9.1f} {m['to0.8']:>9.1f} "
             f"{m['train_to0.6']:>11.1f} {m['train_to0.8']:>11.1f} {m['steps_per_s']:>7.2f} {m['tokens_per_s']:>8.0f} "
-            f"{m['peak_gib']:>8.2f} {m['first']:>11.2f} -> {m['last']:.2f}"
+            f"{m['peak_gib']:>8.2f} {m['first']:>15.2f} -> {m['last']:.2f} "
+            f"{statistics.median(max(r.load) for r in runs):>5.1f}"
         )
     t = med.get("TRL")
     for system, a in med.items():
@@ -162,6 +171,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--repeats", type=int, default=2, help="runs per system and workload, taking turns")
     parser.add_argument("--out", type=Path, default=Path("runs") / f"peers-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--long-steps", type=int, default=LONG_STEPS, help="steps of workload long")
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
     parser.add_argument(
         "--variant",
@@ -178,7 +188,7 @@ def main() -> None:
     python = ensure_trl(VENV)
     results: dict[str, dict[str, list[Run]]] = {}
     for workload in args.workloads:
-        w = prepare(out / "inputs", workload)
+        w = prepare(out / "inputs", workload, args.long_steps)
         systems = [*variants, "TRL"]
         by_system = results[workload] = {system: [] for system in systems}
         for i in range(args.repeats):
@@ -188,12 +198,16 @@ def main() -> None:
                     run = run_trl(w, out, name, python, args.trl_threads)
                 else:
                     run = run_asyncrl(w, out, name, variants[system], system)
-                if run.returncode != 0 or not run.steps:
-                    raise SystemExit(f"bench: {name} failed (exit {run.returncode}); its log: {run.log}")
+                if run.returncode != 0 or not run.steps:  # said, and left out; the other runs go on
+                    print(f"bench: {name} failed (exit {run.returncode}); its log: {run.log}", flush=True)
+                    continue
                 by_system[system].append(run)
                 s = summary(run)
+                with open(out / "runs.jsonl", "a") as f:
+                    f.write(json.dumps({"name": name, "load": run.load, **s}) + "\n")
+                load = f"load {run.load[0]:.1f} -> {run.load[1]:.1f}"
                 print(f"bench: {name}: start-up {s['startup_s']:.1f} s, to 0.8 {s['to0.8']:.1f} s, "
-                      f"{s['steps_per_s']:.2f} steps/s", flush=True)  # fmt: skip
+                      f"{s['steps_per_s']:.2f} steps/s, {load}", flush=True)  # fmt: skip
     plot(results, out / "reward_vs_time.png")
     print()
     for workload, by_system in results.items():

@@ -44,6 +44,7 @@ class Run:
     wall_s: float = 0.0
     returncode: int = 0
     log: str = ""
+    load: tuple[float, float] = (0.0, 0.0)  # the machine's 1-minute load average at launch and at the end
 
 
 class TreeMemory:
@@ -76,10 +77,11 @@ class TreeMemory:
         return self.peak
 
 
-def launch(cmd: list[str], log_path: Path, on_line=None) -> tuple[int, float, int]:
-    """Run cmd to its end with its output in log_path; on_line(line, s since launch) sees each line as it comes.
-    Returns (exit code, wall seconds, peak PSS bytes)."""
-    started = time.time()
+def launch(run: Run, cmd: list[str], on_line=None) -> float:
+    """Run cmd to its end with its output in run.log; on_line(line, s since launch) sees each line as it comes.
+    Fills run's exit code, wall seconds, peak PSS and load; returns the launch time (time.time())."""
+    started, load = time.time(), os.getloadavg()[0]
+    log_path = run.log
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -89,8 +91,9 @@ def launch(cmd: list[str], log_path: Path, on_line=None) -> tuple[int, float, in
             log.write(line)
             if on_line:
                 on_line(line, time.time() - started)
-        code = proc.wait()
-    return code, time.time() - started, memory.stop()
+        run.returncode = proc.wait()
+    run.wall_s, run.peak_bytes, run.load = time.time() - started, memory.stop(), (load, os.getloadavg()[0])
+    return started
 
 
 def run_asyncrl(w: Workload, out: Path, name: str, extra: list[str], system: str = "asyncrl") -> Run:
@@ -105,8 +108,8 @@ def run_asyncrl(w: Workload, out: Path, name: str, extra: list[str], system: str
     cmd = [sys.executable, "-m", "pipeline.cli", "run", *w.asyncrl_overrides, *extra]
     cmd += ["trainer.monitor=jsonl", f"trainer.output_dir={out}", f"trainer.run_name={name}"]
     run = Run(system, w.name, log=str(out / f"{name}.log"))
-    run.returncode, run.wall_s, run.peak_bytes = launch(cmd, out / f"{name}.log", on_line)
-    if "t" not in loop:
+    launch(run, cmd, on_line)
+    if "t" not in loop or not (loop["run_dir"] / "metrics.jsonl").exists():
         return run
     for line in (loop["run_dir"] / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
@@ -130,10 +133,7 @@ def run_trl(w: Workload, out: Path, name: str, python: Path, threads: int) -> Ru
     }
     (out / f"{name}.spec.json").write_text(json.dumps(spec, indent=1))
     run = Run("TRL", w.name, log=str(out / f"{name}.log"))
-    started = time.time()
-    run.returncode, run.wall_s, run.peak_bytes = launch(
-        [str(python), str(ROOT / "bench" / "peers_trl.py"), str(out / f"{name}.spec.json")], out / f"{name}.log"
-    )
+    started = launch(run, [str(python), str(ROOT / "bench" / "peers_trl.py"), str(out / f"{name}.spec.json")])
     if steps_file.exists():
         for line in steps_file.read_text().splitlines():
             row = json.loads(line)
