@@ -78,7 +78,8 @@ class TreeMemory:
 
 
 def launch(run: Run, cmd: list[str], on_line=None) -> float:
-    """Run cmd to its end with its output in run.log; on_line(line, s since launch) sees each line as it comes.
+    """Run cmd to its end with its output in run.log, each line after the seconds since launch it came at;
+    on_line(line, those seconds) sees each line as it comes.
     Fills run's exit code, wall seconds, peak PSS and load; returns the launch time (time.time())."""
     started, load = time.time(), os.getloadavg()[0]
     log_path = run.log
@@ -88,9 +89,10 @@ def launch(run: Run, cmd: list[str], on_line=None) -> float:
         )
         memory = TreeMemory(proc.pid)
         for line in proc.stdout:
-            log.write(line)
+            at = time.time() - started
+            log.write(f"{at:8.2f} {line}")  # each line stamped: where start-up goes, from the log alone
             if on_line:
-                on_line(line, time.time() - started)
+                on_line(line, at)
         run.returncode = proc.wait()
     run.wall_s, run.peak_bytes, run.load = time.time() - started, memory.stop(), (load, os.getloadavg()[0])
     return started
