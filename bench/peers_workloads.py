@@ -135,6 +135,9 @@ def trl_config(w: Workload) -> dict:
         "beta": 0.0,  # no KL
         "epsilon": a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low,
         "epsilon_high": a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high,
+        # Two-sided clipping: the ratio capped at delta bounds a negative-advantage token's loss at |A| * delta,
+        # which is verl's dual clip with c = delta (a positive advantage is clipped at 1 + epsilon_high first).
+        "delta": a.clip_ratio_c,
         "loss_type": "dapo",  # token-mean over the whole mini-batch (verl's token-mean)
         "scale_rewards": "group" if cfg.algorithm.norm_adv_by_std_in_grpo else "none",
         "num_iterations": 1,  # one pass over each batch, as asyncrl's one optimizer step per mini-batch

@@ -74,5 +74,6 @@ def test_trl_runs_the_algorithm_of_the_asyncrl_config():
     # 8 prompts x 4 responses = 32 completions per optimizer step, 16 per forward/backward.
     assert (trl["per_device_train_batch_size"], trl["gradient_accumulation_steps"]) == (16, 2)
     assert (trl["lr_scheduler_type"], trl["beta"], trl["loss_type"]) == ("constant", 0.0, "dapo")
+    assert trl["delta"] == cfg.actor.clip_ratio_c  # verl's dual clip
     with pytest.raises(SystemExit, match="token-mean"):
         trl_config(Workload("embedded", None, None, None, 10, load_config(None, ["actor.use_kl_loss=true"]), "reverse"))
