@@ -4,7 +4,8 @@ Each run is a child process: `asyncrl run` (this checkout, this venv) or bench/p
 its own virtualenv). Both are timed by the wall clock from the moment the child is launched, so start-up (imports,
 Ray, the engine, model loading) counts as a user waits for it. While a run lasts, a thread sums the proportional
 set size (PSS: shared pages split among the processes sharing them, so Ray's object store and vLLM's shared memory
-count once) of the child and all its descendants every second; the run's peak memory is the largest sum.
+count once) of the child and all its descendants every 3 seconds (a read costs ~3 ms of CPU per process: asyncrl's
+~25 processes every second would take 7 % of a core from it); the run's peak memory is the largest sum.
 
 Per step each run yields (step, seconds since launch, mean reward, trained tokens): asyncrl's from its metrics.jsonl
 (`timing/elapsed_s` counted from the line its driver prints just before the loop starts, `reward/mean`,
@@ -50,7 +51,7 @@ class Run:
 class TreeMemory:
     """Samples the PSS of a process and its descendants every `interval_s` in a thread; `peak` is the largest sum."""
 
-    def __init__(self, pid: int, interval_s: float = 1.0) -> None:
+    def __init__(self, pid: int, interval_s: float = 3.0) -> None:
         self.root, self.interval_s, self.peak = psutil.Process(pid), interval_s, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
