@@ -11,7 +11,7 @@ launch to a moving-average reward (WINDOW steps) of 0.6 and of 0.8, the same cou
 (learning alone), steps/s and trained (response) tokens/s after the first SKIP steps, peak memory (PSS of the whole
 process tree), and the reward over the first and last 10 % of steps. Also the reward-vs-wall-time curves as a PNG.
 
-    python -m bench.peers                          # both workloads, 2 runs per system each (about 25 minutes)
+    python -m bench.peers                          # both workloads, 2 runs per system each (tens of minutes)
     python -m bench.peers --workloads embedded --repeats 1
 """
 
