@@ -5,7 +5,7 @@ ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-fast bench lint format clean cluster-up job cluster-down
+.PHONY: install run test test-fast bench bench-peers lint format clean cluster-up job cluster-down
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ bench: install
 	$(PY) -m bench.prompts_1m
 	$(PY) -m bench.routes
 	$(PY) -m bench.data_parallel
+
+# asyncrl against TRL's GRPOTrainer on the same work (docs/benchmarks.md, "Against TRL"); installs TRL into a virtualenv
+# of its own (~/.cache/asyncrl/peers-venv) on first use. About 30 minutes on 2 cores; pass options with ARGS.
+bench-peers: install
+	$(PY) -m bench.peers $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
