@@ -9,8 +9,10 @@
   and carries only CUDA IPC handles; the engine maps each tensor, copies it and acknowledges before the trainer
   lets go of it, so one tensor is in flight at a time.
 
-Every group is created with vLLM's stateless init, so it never touches the global torch.distributed state a
-Megatron trainer owns. Tensors go in the order of `meta()`, and the engines receive them in that same order
+Every group is stateless (`stateless_group`): it never touches the global torch.distributed state a Megatron
+trainer owns. A gloo group (gloo, and ipc's control group) is built here from torch alone, so the trainer's side and a
+receiver need no vLLM (bench/gpu_check runs both on a machine without it); an NCCL group comes from vLLM's stateless
+init. Tensors go in the order of `meta()`, and the engines receive them in that same order
 (stages/vllm_worker.py). A broadcast costs a round trip whatever its size, so the broadcast transports send small
 tensors (norms, biases, a small model's everything) packed into one flat buffer (`packed`, cut the same way on both
 sides from the tensors' sizes), and each large one alone, as it is, with no extra copy. The nccl and ipc paths
@@ -99,8 +101,6 @@ class BroadcastWeightSync:
         self._error: BaseException | None = None
 
     def open(self, world_size: int, connect_timeout_s: float = 30.0) -> dict:
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
         self.close()  # a group formed again (a replica was restarted) replaces the one before
         # Bind the rendezvous store's socket ourselves: TCPStore alone would listen on every interface.
         listener = socket.create_server((self.host, 0))
@@ -108,15 +108,8 @@ class BroadcastWeightSync:
 
         def join() -> None:
             try:
-                group = stateless_init_torch_distributed_process_group(
-                    self.host,
-                    port,
-                    0,
-                    world_size,
-                    backend=self.backend,
-                    listen_socket=listener,
-                    timeout=timedelta(seconds=connect_timeout_s),
-                )
+                timeout = timedelta(seconds=connect_timeout_s)
+                group = stateless_group(self.host, port, 0, world_size, self.backend, timeout, listen_socket=listener)
                 group.set_timeout(OP_TIMEOUT)
                 self.group = group
             except BaseException as err:  # noqa: BLE001 - re-raised in wait_open, on the caller's thread
@@ -156,11 +149,9 @@ class BroadcastWeightSync:
         gc.collect()
 
     def close(self) -> None:
-        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
         if self.group is not None:
             group, self.group = self.group, None
-            stateless_destroy_torch_distributed_process_group(group)
+            destroy_group(group)
 
 
 class IpcWeightSync:
@@ -191,6 +182,47 @@ class IpcWeightSync:
             self.control.close_failed(err)
             raise
         return sent
+
+
+def stateless_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: timedelta,
+    listen_socket: socket.socket | None = None,
+) -> dist.ProcessGroup:
+    """A process group of its own at tcp://host:port, outside torch.distributed's global state. Rank 0 serves the
+    rendezvous store, on `listen_socket` when given (bound by the caller: no other process can take the port in
+    between). gloo is built here from torch alone, as vLLM's stateless init builds it (the same store prefix, so either
+    side may use either); nccl is vLLM's."""
+    if backend != "gloo":
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        return stateless_init_torch_distributed_process_group(
+            host, port, rank, world_size, backend=backend, listen_socket=listen_socket, timeout=timeout
+        )
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    fd = {"master_listen_fd": listen_socket.detach()} if listen_socket is not None else {}
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True, **fd)
+    prefixed = dist.PrefixStore(f"tcp://{host}:{port}", store)
+    group = dist.ProcessGroup(prefixed, rank, world_size)
+    gloo = ProcessGroupGloo(prefixed, rank, world_size, timeout=timeout)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    gloo._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    return group
+
+
+def destroy_group(group: dist.ProcessGroup) -> None:
+    """End a group `stateless_group` made: its connections close, a peer still waiting in it fails at once."""
+    if group.group_name:  # registered by name (vLLM's nccl groups are not either)
+        from torch.distributed.distributed_c10d import _unregister_process_group
+
+        _unregister_process_group(group.group_name)
+    group.shutdown()
 
 
 def nbytes(tensor: torch.Tensor) -> int:
