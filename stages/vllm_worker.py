@@ -102,15 +102,18 @@ class WeightReceiver:
         return len(names)
 
     def _receive_ipc(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Unverified here (no GPU): map each tensor by its CUDA IPC handle, copy it, then release the trainer's."""
+        """Map each bucket of tensors by their CUDA IPC handles, copy them, wait for the copies, then release the
+        trainer's (stages/trainer/weight_sync.py: IpcWeightSync)."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        for name in names:
-            shared = rebuild_cuda_tensor(*broadcast_object(None, self._weight_group))
-            tensor = shared.clone()  # the loader may hold it past the acknowledgement
-            del shared
+        received = 0
+        while received < len(names):
+            handles = broadcast_object(None, self._weight_group)
+            copies = [rebuild_cuda_tensor(*args).clone() for args in handles]  # the loader may hold them past the ack
+            torch.cuda.current_stream().synchronize()  # the copies are done before the trainer may change the source
             dist.all_reduce(torch.zeros(1), group=self._weight_group)
-            yield name, tensor
+            start, received = received, received + len(copies)
+            yield from zip(names[start:received], copies, strict=True)
 
     def load_weights_file(self, url: str) -> int:
         """Pull mode: load a version the trainer published as one safetensors file; returns the tensor count."""
