@@ -69,6 +69,18 @@ def own_routes(model_dir: Path, prompts: list, responses: list, device: str = "c
     return rows
 
 
+def minibatch(prompts: list, responses: list, routes: list | None, logprobs: list | None = None) -> dict[str, list]:
+    """A mini-batch of `batch()`'s rows as the trainer takes it, with these routes (advantages 1, -1, 0.5)."""
+    return {
+        "prompt_ids": prompts,
+        "response_ids": responses,
+        "response_mask": [[1] * len(r) for r in responses],
+        "response_logprobs": logprobs or [[-1.0] * len(r) for r in responses],
+        "advantage": [1.0, -1.0, 0.5][: len(responses)],
+        "routed_experts": routes,
+    }
+
+
 def other_routes(rows: list, num_experts: int = SIZES["num_experts"]) -> list:
     """Every expert id shifted by one: with 4 experts and top-2, never the same set as before."""
     return [[[(e + 1) % num_experts for e in token] for token in row] for row in rows]

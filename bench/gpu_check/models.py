@@ -1,7 +1,8 @@
 """The random models and the fixed batch every piece of the GPU check trains on.
 
-Two sizes: `tiny` (the CPU rehearsal in the test suite: seconds on 2 cores) and `gpu` (about 155M parameters, big
-enough that the GPU's kernels, not Python, run the step; its CPU reference takes seconds on 16 cores). The model is
+Three sizes: `tiny` (the CPU rehearsal in the test suite: seconds on 2 cores), `mid` (5M parameters, the `gpu` size's
+batch: a CPU comparison of precisions at a less trivial width) and `gpu` (about 155M parameters, big enough that the
+GPU's kernels, not Python, run the step; its CPU reference takes seconds on 16 cores). The model is
 a Qwen2 (RMSNorm, SwiGLU, RoPE, GQA, qkv bias, untied head), the family both trainer backends and the engines load,
 written with save_pretrained from a seeded init, so every process that builds it gets the same weights.
 
@@ -28,6 +29,17 @@ SIZES = {
         rows=4,
         prompt=(4, 9),
         response=(4, 13),
+    ),
+    "mid": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rows=8,
+        prompt=(16, 64),
+        response=(32, 128),
     ),
     "gpu": dict(
         vocab_size=32000,

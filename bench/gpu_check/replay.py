@@ -38,19 +38,8 @@ def _trainer(backend: str, model_dir: Path, device: str):
     return TorchTrainer(str(model_dir), policy, mixed_precision=MixedPrecision(param_dtype="fp32"), device=device)
 
 
-def _rows(prompts: list, responses: list, routes: list) -> dict[str, list]:
-    return {
-        "prompt_ids": prompts,
-        "response_ids": responses,
-        "response_mask": [[1] * len(r) for r in responses],
-        "response_logprobs": [[-1.0] * len(r) for r in responses],
-        "advantage": [1.0, -1.0, 0.5],
-        "routed_experts": routes,
-    }
-
-
 def run(device: str, backend: str, work: Path) -> Record:
-    from tests.moe_model import batch, build_tiny_moe, other_routes, own_routes
+    from tests.moe_model import batch, build_tiny_moe, minibatch, other_routes, own_routes
 
     model_dir = build_tiny_moe(work / "moe")
     prompts, responses = batch()
@@ -62,8 +51,8 @@ def run(device: str, backend: str, work: Path) -> Record:
         plain = trainer.logprobs(prompts, responses)
         replayed = trainer.logprobs(prompts, responses, own)
         forced = trainer.logprobs(prompts, responses, shifted)
-        own_step = trainer.train_step([_rows(prompts, responses, own)])
-        forced_step = trainer.train_step([_rows(prompts, responses, shifted)])
+        own_step = trainer.train_step([minibatch(prompts, responses, own)])
+        forced_step = trainer.train_step([minibatch(prompts, responses, shifted)])
     record.time_s, record.peak_gpu_mib = meter.time_s, meter.peak_gpu_mib
     record.check("own routes: logprob diff", max_abs_diff(replayed, plain), 1e-5)
     record.check("own routes: router_mismatch", own_step["actor/router_mismatch"], 0.0)
