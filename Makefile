@@ -33,7 +33,7 @@ test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not network" tests
 
 # The benchmarks of docs/benchmarks.md, one after the other (about 50 minutes on 2 cores); each prints its table last.
 bench: install
