@@ -48,10 +48,9 @@ class _Runner:
 
 
 def _engine(host: str, port: int, shapes: list[list[int]], rounds: int, one_by_one: bool) -> None:
-    from stages.vllm_worker import WeightReceiver, repack_cpu_experts
+    from stages.vllm_worker import WeightReceiver
 
     torch.set_num_threads(1)
-    repack_cpu_experts(torch.nn.Module())  # its vLLM imports (seconds) before the clock starts, not in a push
     receiver = WeightReceiver()
     receiver.model_runner, receiver.rank = _Runner(shapes), 0
     receiver.init_weight_group(host, port, 1, 2, "gloo")

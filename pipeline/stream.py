@@ -26,7 +26,7 @@ from ray.data._internal.execution import metadata_fetcher, streaming_executor_st
 from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, check_signature, import_target, stage_kwargs
-from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, split_actors
+from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, reference_gpus, split_actors
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
 from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
@@ -89,6 +89,7 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
             "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
             "kv_cache_gb": ro.kv_cache_gb,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
+            "dtype": ro.dtype,
             "seed": cfg.trainer.seed,
             "sim": dataclasses.asdict(cfg.sim),  # for the simulated engine
             "default_agent_loop": ro.agent.default_agent_loop,
@@ -254,6 +255,7 @@ def build_stream(
             batch_size=None,
             batch_format="pyarrow",
             num_cpus=0.5,  # a fraction: a stage actor holding a whole CPU can deadlock a 2-core box
+            num_gpus=reference_gpus(cfg, ray.cluster_resources().get("GPU", 0)),  # it computes on a GPU it is given
             compute=ActorPoolStrategy(size=1),
         )
     # Ray Data fuses these three task stages into the split stage's actors: one call per block. An actor, not a task:

@@ -43,7 +43,7 @@ def start_trainer(ctx: RunContext):
         options = {"num_cpus": 0, "resources": placement.trainer_resources()}
         return ray.remote(SimTrainer).options(**options).remote(dataclasses.asdict(cfg.sim))
     Trainer, extra = _backend(ctx)
-    # Multi-rank trainers compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
+    # Trainers compute on GPUs when the cluster has them (rank 0 here, a multi-rank one's peers ask for theirs).
     gpus = trainer_rank_gpus(cfg, ray.cluster_resources().get("GPU", 0))
     if gpus:
         extra["gpus_per_rank"] = gpus
@@ -79,15 +79,19 @@ def _backend(ctx: RunContext) -> tuple[type, dict]:
 
         extra |= dataclasses.asdict(a.megatron) | {"data_parallel_size": megatron_data_parallel_size(cfg)}
         extra["rank_resources"] = ctx.placement.trainer_resources()
-    elif a.fsdp_config.fsdp_size > 1:
+        return Trainer, extra
+    fsdp = a.fsdp_config
+    extra |= {
+        "rollout_correction": cfg.algorithm.rollout_correction,
+        "model_dtype": fsdp.model_dtype,
+        "mixed_precision": fsdp.mixed_precision,
+    }
+    if fsdp.fsdp_size > 1:
         from stages.trainer.fsdp_backend import FSDPTrainer as Trainer
 
-        extra |= {"rollout_correction": cfg.algorithm.rollout_correction, **dataclasses.asdict(a.fsdp_config)}
-        extra["rank_resources"] = ctx.placement.trainer_resources()
+        extra |= {"fsdp_size": fsdp.fsdp_size, "rank_resources": ctx.placement.trainer_resources()}
     else:
         from stages.trainer.torch_backend import TorchTrainer as Trainer
-
-        extra["rollout_correction"] = cfg.algorithm.rollout_correction
     return Trainer, extra
 
 

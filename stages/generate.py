@@ -78,7 +78,7 @@ class VLLMGenerate:
         max_model_len: int = 256,
         kv_cache_gb: int = 1,
         tensor_parallel_size: int = 1,
-        dtype: str = "float32",
+        dtype: str | None = None,
         seed: int = 0,
         pause_mode: str = "wait",
         ignore_eos: bool = False,
@@ -97,7 +97,7 @@ class VLLMGenerate:
         the GPU. Unused on CPU, where `kv_cache_gb` sizes the cache. `tensor_parallel_size`: the engine's TP ranks,
         one worker process each (on the GPUs Ray gave this actor; on CPU, on the cores `cpu_binding` gives them).
         `enable_rollout_routing_replay`: fill `routed_experts` (an MoE model), captured the `routed_experts_capture`
-        way (stages/vllm_routes.py)."""
+        way (stages/vllm_routes.py). `dtype`: the engine's (rollout.dtype); None: bfloat16 on a GPU, float32 on CPU."""
         from transformers import AutoTokenizer
 
         self.clock = None if validation_only else ray.get_actor(clock_name, namespace=namespace)
@@ -117,6 +117,7 @@ class VLLMGenerate:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
         engine_seed = seed + (self.replica if self.replica >= 0 else 1_000_003)  # the dedicated one samples apart
+        dtype = dtype or ("bfloat16" if on_gpu() else "float32")
         engine_kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=engine_seed)
         engine_kwargs |= parallel_args(tensor_parallel_size, on_gpu())
         if on_gpu():

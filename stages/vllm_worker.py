@@ -3,7 +3,7 @@
 vLLM mixes one class into every engine worker (`worker_extension_cls`): `EngineWorker`, made of `WeightReceiver` and
 `RouteCapture`; the Generate stage reaches their methods through `collective_rpc`.
 
-Weight sync: The trainer and the workers share one private process group (created with vLLM's stateless init, so
+Weight sync: The trainer and the workers share one private process group (stateless, stages/trainer/weight_sync.py:
 neither side's global torch.distributed state is touched: Megatron's groups and ours never collide). The trainer is
 rank 0 and broadcasts the tensors (small ones packed into one buffer, stages/trainer/weight_sync.py: `packed`); every
 worker of an engine (one per tensor-parallel rank) is a member, receives each tensor whole and loads its own shard of
@@ -35,7 +35,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.trainer.weight_sync import OP_TIMEOUT, broadcast_object, layout, packed, size_of, unpack
+from stages.trainer.weight_sync import (
+    OP_TIMEOUT,
+    broadcast_object,
+    destroy_group,
+    layout,
+    packed,
+    size_of,
+    stateless_group,
+    unpack,
+)
 
 # Requests whose routes were captured but never fetched (their caller failed) are dropped beyond this many, oldest
 # first, so that the capture cannot grow without bound.
@@ -49,24 +58,19 @@ class WeightReceiver:
         self, host: str, port: int, first_rank: int, world_size: int, backend: str, connect_timeout_s: float = 30.0
     ) -> None:
         """Join the trainer's group at `first_rank` (this engine's) plus this worker's rank in its engine."""
-        from vllm.distributed.utils import (
-            stateless_destroy_torch_distributed_process_group,
-            stateless_init_torch_distributed_process_group,
-        )
-
         old = getattr(self, "_weight_group", None)
         if old is not None:  # formed again after a replica restarted: the trainer has left the old one
             self._weight_group = None
-            stateless_destroy_torch_distributed_process_group(old)
+            destroy_group(old)
         # ipc: the group is gloo and carries CUDA IPC handles of the trainer's tensors on this same GPU.
         self._weight_ipc = backend == "ipc"
-        self._weight_group = stateless_init_torch_distributed_process_group(
+        self._weight_group = stateless_group(
             host,
             port,
             first_rank + self.rank,  # the worker's rank among its engine's TP ranks
             world_size,
-            backend="gloo" if self._weight_ipc else backend,
-            timeout=timedelta(seconds=connect_timeout_s),  # a peer that died while joining: give up, be asked again
+            "gloo" if self._weight_ipc else backend,
+            timedelta(seconds=connect_timeout_s),  # a peer that died while joining: give up, be asked again
         )
         self._weight_group.set_timeout(OP_TIMEOUT)
 
@@ -98,15 +102,18 @@ class WeightReceiver:
         return len(names)
 
     def _receive_ipc(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Unverified here (no GPU): map each tensor by its CUDA IPC handle, copy it, then release the trainer's."""
+        """Map each bucket of tensors by their CUDA IPC handles, copy them, wait for the copies, then release the
+        trainer's (stages/trainer/weight_sync.py: IpcWeightSync)."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        for name in names:
-            shared = rebuild_cuda_tensor(*broadcast_object(None, self._weight_group))
-            tensor = shared.clone()  # the loader may hold it past the acknowledgement
-            del shared
+        received = 0
+        while received < len(names):
+            handles = broadcast_object(None, self._weight_group)
+            copies = [rebuild_cuda_tensor(*args).clone() for args in handles]  # the loader may hold them past the ack
+            torch.cuda.current_stream().synchronize()  # the copies are done before the trainer may change the source
             dist.all_reduce(torch.zeros(1), group=self._weight_group)
-            yield name, tensor
+            start, received = received, received + len(copies)
+            yield from zip(names[start:received], copies, strict=True)
 
     def load_weights_file(self, url: str) -> int:
         """Pull mode: load a version the trainer published as one safetensors file; returns the tensor count."""
@@ -133,13 +140,17 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
     On the first load the CPU experts pack w13 and w2 into their grouped-gemm layout; a reload runs the layer's
     processing again but skips that step (it only builds the kernel on the first call), so the new weights stay in
     the checkpoint layout and the kernel computes garbage (measured: identical weights pushed again changed the
-    greedy outputs). Layers of other kernels, and zentorch's, are left alone."""
+    greedy outputs). Layers of other kernels, and zentorch's, are left alone; a model without vLLM MoE kernels (a
+    dense one) has nothing to repack, and vLLM's CPU modules are not imported for it."""
+    kernels = [(m, getattr(getattr(m, "quant_method", None), "moe_kernel", None)) for m in model.modules()]
+    kernels = [(m, k) for m, k in kernels if k is not None]
+    if not kernels:
+        return 0
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     packed = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    for module, kernel in kernels:
         experts = getattr(kernel, "fused_experts", None)
         if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
             continue

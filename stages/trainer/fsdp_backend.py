@@ -33,6 +33,7 @@ import torch
 from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
 from stages.trainer.fsdp import DPRank, Share
+from stages.trainer.precision import MixedPrecision
 from stages.trainer.ranks import RankPlacement, free_port
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
@@ -52,13 +53,15 @@ class FSDPTrainer:
         optimizer_state: str | None = None,
         weight_sync_backend: str = "gloo",
         fsdp_size: int = 2,
+        model_dtype: str = "fp32",
+        mixed_precision: MixedPrecision | None = None,
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
         rank_placement: RankPlacement | None = None,
     ) -> None:
-        """TorchTrainer's arguments, and `fsdp_size` ranks; `gpus_per_rank`, `rank_resources`: what each peer asks
-        Ray for (a share of the trainer nodes' custom resource, pipeline/config/placement.py); `rank_placement`:
-        the trainer's nodes (default: all on this one)."""
+        """TorchTrainer's arguments (each rank computes on the GPU Ray gives it, else on the CPU), and `fsdp_size`
+        ranks; `gpus_per_rank`, `rank_resources`: what each peer asks Ray for (a share of the trainer nodes' custom
+        resource, pipeline/config/placement.py); `rank_placement`: the trainer's nodes (default: all on this one)."""
         import ray
 
         if fsdp_size < 2:
@@ -73,6 +76,8 @@ class FSDPTrainer:
             seed=seed,
             torch_threads=torch_threads,
             optimizer_state=optimizer_state,
+            model_dtype=model_dtype,
+            mixed_precision=mixed_precision,
         )
         placement = rank_placement or RankPlacement()
         host = placement.host()

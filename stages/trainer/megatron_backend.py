@@ -69,14 +69,15 @@ class MegatronTrainer:
         data_parallel_size: int = 1,
         weight_sync_backend: str = "gloo",
         export_bucket_mb: int = 64,
+        dtype: str | None = None,
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
         rank_placement: RankPlacement | None = None,
     ) -> None:
         """`data_parallel_size`: model replicas, each of `tensor_model_parallel_size x pipeline_model_parallel_size`
-        ranks. `gpus_per_rank`, `rank_resources`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a
-        GPU cluster; a share of the trainer nodes' custom resource, pipeline/config/placement.py); `rank_placement`:
-        the trainer's nodes (default: all on this one)."""
+        ranks. `dtype`: the parameters' (MegatronRank). `gpus_per_rank`, `rank_resources`: what each peer rank asks
+        Ray for (ray.gpus_per_trainer_rank on a GPU cluster; a share of the trainer nodes' custom resource,
+        pipeline/config/placement.py); `rank_placement`: the trainer's nodes (default: all on this one)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, not {data_parallel_size}")
         kwargs = dict(
@@ -85,6 +86,7 @@ class MegatronTrainer:
             policy=policy or PolicySettings(),
             seed=seed,
             torch_threads=torch_threads,
+            dtype=dtype,
         )
         self.tp, self.pp, self.dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
         placement = rank_placement or RankPlacement()

@@ -97,3 +97,11 @@ def test_a_push_of_mixed_tensors_arrives_whole_at_the_engine():
         if engine.is_alive():
             engine.kill()
     assert engine.exitcode == 0
+
+
+def test_ipc_buckets_hold_up_to_their_bytes_and_a_larger_tensor_alone():
+    from stages.trainer.weight_sync import buckets
+
+    assert list(buckets([3, 4, 2, 9, 1, 1], lambda n: n, 8)) == [[3, 4], [2], [9], [1, 1]]
+    assert sum(buckets(range(1, 20), lambda n: n, 10), []) == list(range(1, 20))  # in order, none lost
+    assert list(buckets([], lambda n: n, 8)) == []

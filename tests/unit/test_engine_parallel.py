@@ -101,7 +101,7 @@ def _problem(cfg, nodes):
 
 
 def test_a_replica_asks_ray_for_a_gpu_per_engine_rank():
-    cfg = load_config(None, [f"{KEY}=4", "rollout.num_replicas=2"])
+    cfg = load_config(None, [f"{KEY}=4", "rollout.num_replicas=2", "trainer.backend=sim"])  # a trainer without GPUs
     assert engine_gpus(cfg, 8.0) == 4.0
     assert engine_gpus(cfg, 0.0) == 0.0  # no GPU in the cluster: the engine runs on CPU
     assert _problem(cfg, [GPU_NODE]) is None  # two engines of 4 GPUs on one 8-GPU node
