@@ -20,6 +20,7 @@ number of its engine's workers (one per tensor-parallel rank) that loaded the ve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -47,7 +48,7 @@ def connect(trainer, clock, members: list[int], timeout_s: float, engine_tp: int
     (a member died while joining; the others gave up too, after the same timeout)."""
     world_size, ranks = group_ranks(members, engine_tp)
     group = ray.get(trainer.open_weight_sync.remote(world_size, timeout_s))
-    message = {"kind": "init_group", "world_size": world_size, "ranks": ranks, **group}
+    message = {"kind": "init_group", "world_size": world_size, "ranks": ranks, **dataclasses.asdict(group)}
     seq = ray.get(clock.post.remote(message, members))
     try:
         ray.get(trainer.wait_weight_sync.remote())
@@ -63,7 +64,7 @@ def push(trainer, clock, version: int, members: list[int], meta: dict) -> tuple[
     """Broadcast the trainer's weights as `version` to `members` (admission paused by the caller): their
     acknowledgements and the trainer's numbers, or None if the broadcast failed (a replica died during it).
     `meta`: the trainer's weight_meta (names, shapes, dtypes), the same at every sync."""
-    seq = ray.get(clock.post.remote({"kind": "sync", "version": version, **meta}, members))
+    seq = ray.get(clock.post.remote({"kind": "sync", "version": version, **dataclasses.asdict(meta)}, members))
     try:
         sent = ray.get(trainer.push_weights.remote())
     except ray.exceptions.RayTaskError as err:  # the trainer is alive; its broadcast was cut short

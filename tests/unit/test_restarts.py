@@ -12,6 +12,7 @@ from pipeline import checkpoint
 from pipeline.config import load_config
 from pipeline.finish import RunFailed, restart_from_checkpoint, trainer_death
 from pipeline.observe.faults import FaultLog
+from stages.transports import GroupAddress, WeightMeta
 
 TRAINER_ID = "ab" * 16
 
@@ -102,16 +103,16 @@ class _Trainer:
     def __init__(self) -> None:
         self.opened: list[int] = []
 
-    def open_weight_sync(self, world_size: int, connect_timeout_s: float) -> dict:
+    def open_weight_sync(self, world_size: int, connect_timeout_s: float) -> GroupAddress:
         self.opened.append(world_size)
-        return {"host": "127.0.0.1", "port": 1, "backend": "gloo", "connect_timeout_s": connect_timeout_s}
+        return GroupAddress("127.0.0.1", 1, "gloo", connect_timeout_s)
 
     def wait_weight_sync(self) -> None:
         if len(self.opened) == 1:
             raise RuntimeError("weight-sync group failed to form: timed out waiting for rank 2")
 
-    def weight_meta(self) -> dict:
-        return {"names": [], "shapes": [], "dtypes": []}
+    def weight_meta(self) -> WeightMeta:
+        return WeightMeta((), (), ())
 
     def push_weights(self) -> dict:
         return {"sync/bytes": 0.0}

@@ -1,0 +1,97 @@
+"""CUDA IPC for a trainer and an engine on one GPU, where NCCL cannot place two ranks. Not run on a GPU in this
+project's tests: written from torch's documented IPC calls and kept runnable on its own (a {name: tensor} dict in,
+a model or `load_weights` callable out) for a check on a GPU machine without Ray or vLLM.
+
+The group is gloo and carries only handles and acknowledgements: for each tensor the sender broadcasts a picklable
+CUDA IPC handle of its own memory (`reduce_tensor`), every receiver maps that memory (`rebuild_cuda_tensor`), copies
+it and lets go, and an all-reduce tells the sender that every receiver is done with it, so one tensor is in flight
+at a time and no receiver reads memory the trainer has already reused.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from stages.transports import GroupAddress, Target, WeightMeta, Weights, loader, named
+from stages.transports.broadcast import BroadcastSender, join_group
+from stages.transports.group import close_group
+from stages.transports.packing import nbytes
+
+
+class IpcSender:
+    """Rank 0: a gloo group for the handles (BroadcastSender's), CUDA memory shared through them."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.control = BroadcastSender("gloo", host)  # carries handles and acknowledgements, not weights
+
+    def open(self, world_size: int, connect_timeout_s: float = 30.0) -> GroupAddress:
+        address = self.control.open(world_size, connect_timeout_s)
+        return GroupAddress(address.host, address.port, "ipc", connect_timeout_s)  # receivers join with gloo
+
+    def wait_open(self) -> None:
+        self.control.wait_open()
+
+    def send(self, weights: Weights) -> int:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        sent = 0
+        try:
+            for _, tensor in named(weights):
+                tensor = tensor.detach().to(torch.cuda.current_device()).contiguous()
+                _, args = reduce_tensor(tensor)  # a picklable handle: the engine maps the same memory
+                broadcast_object(args, self.control.group)
+                dist.all_reduce(torch.zeros(1), group=self.control.group)  # every engine copied it: it may be freed
+                sent += nbytes(tensor)
+        except Exception as err:
+            self.control.close_failed(err)
+            raise
+        return sent
+
+    def close(self) -> None:
+        self.control.close()
+
+
+class IpcReceiver:
+    """A receiver on the trainer's GPU: maps each tensor by its handle, copies it, acknowledges."""
+
+    def __init__(self) -> None:
+        self.group = None
+
+    def join(self, address: GroupAddress, rank: int, world_size: int) -> None:
+        self.close()
+        self.group = join_group(address, rank, world_size, "gloo")
+
+    def close(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            close_group(group)
+
+    def receive(self, meta: WeightMeta, target: Target) -> int:
+        loader(target)(self._stream(meta))
+        return len(meta.names)
+
+    def _stream(self, meta: WeightMeta) -> Iterator[tuple[str, torch.Tensor]]:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        for name in meta.names:
+            shared = rebuild_cuda_tensor(*broadcast_object(None, self.group))
+            tensor = shared.clone()  # the loader may hold it past the acknowledgement
+            del shared
+            dist.all_reduce(torch.zeros(1), group=self.group)
+            yield name, tensor
+
+
+def broadcast_object(obj: object, group) -> object:
+    """Rank 0's `obj` on every rank of a stateless group, as pickled bytes in two tensor broadcasts (the object
+    collectives of torch.distributed expect a group registered with its default world)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if obj is not None else None
+    size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+    dist.broadcast(size, group=group, group_src=0)
+    if payload is None:
+        payload = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(payload, group=group, group_src=0)
+    return pickle.loads(payload.numpy().tobytes())
