@@ -17,17 +17,17 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import ray
 
 from schemas import END_OF_STREAM, require_columns
 from schemas.sample import GATE_COLUMNS, PROMPT_COLUMNS
+from stages.control import ClockLink, GateClock
 
 _GATE_TYPES = {c.name: c.type for c in GATE_COLUMNS}
 
 
 class StalenessGate:
     def __init__(self, clock_name: str, namespace: str) -> None:
-        self.clock = ray.get_actor(clock_name, namespace=namespace)
+        self.clock: GateClock = ClockLink(clock_name, namespace)
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         require_columns(batch, [c.name for c in PROMPT_COLUMNS], "StalenessGate")
@@ -35,7 +35,7 @@ class StalenessGate:
         pending = batch.filter(pc.invert(is_end))
         while pending.num_rows:
             ids = pending.column("prompt_id").to_pylist()
-            version, admitted = ray.get(self.clock.acquire.remote(ids))
+            version, admitted = self.clock.acquire(ids)
             taken = pending.slice(0, len(admitted))
             times = [time.time()] * len(admitted)
             taken = taken.append_column(
@@ -48,4 +48,4 @@ class StalenessGate:
             yield taken
             pending = pending.slice(len(admitted))
         if pc.any(is_end).as_py():
-            ray.get(self.clock.wait_closed.remote())  # keep the stream open until the trainer is done
+            self.clock.wait_closed()  # keep the stream open until the trainer is done

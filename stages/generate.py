@@ -47,11 +47,23 @@ import uuid
 from typing import Any
 
 import pyarrow as pa
-import ray
 
 from schemas import SAMPLE_SCHEMA, require_columns
 from schemas.sample import GATE_COLUMNS, GENERATE_COLUMNS, PROMPT_COLUMNS, ROUTING_COLUMNS
 from stages.agents import Segment, agent_loop_class, check_agent_name, complete_routes
+from stages.control import (
+    Ack,
+    ClockLink,
+    Done,
+    Failed,
+    JoinGroup,
+    Loaded,
+    Posted,
+    PullWeights,
+    PushWeights,
+    Validate,
+    Validated,
+)
 from stages.engine_busy import EngineBusy
 from stages.vllm_engine import engine_dead, engine_pids, eos_token_id, expand_spans, on_gpu, parallel_args
 from stages.vllm_routes import make_route_capture
@@ -100,9 +112,9 @@ class VLLMGenerate:
         way (stages/vllm_routes.py)."""
         from transformers import AutoTokenizer
 
-        self.clock = None if validation_only else ray.get_actor(clock_name, namespace=namespace)
-        actor_id = "" if validation_only else ray.get_runtime_context().get_actor_id() or ""
-        self.replica = VALIDATION_REPLICA if validation_only else ray.get(self.clock.reserve_replica.remote(actor_id))
+        self.clock = None if validation_only else ClockLink(clock_name, namespace)
+        actor_id = "" if validation_only else self.clock.actor_id
+        self.replica = VALIDATION_REPLICA if validation_only else self.clock.reserve_replica(actor_id)
         self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
         self.eos = eos_token_id(model_dir)
         if pause_mode not in ("wait", "abort", "keep"):
@@ -134,13 +146,11 @@ class VLLMGenerate:
     def _join(self, actor_id: str) -> None:
         """Become a member of the stream's replicas, with the newest weights; after a restart (Ray restarts a
         replica whose process died) the same replica, which then regenerates the prompts it had in flight."""
-        node = ray.get_runtime_context().get_node_id()
-        reg = ray.get(self.clock.register_replica.remote(actor_id, os.getpid(), node, engine_pids(self.engine)))
-        version, url = reg["weights"]
-        if version != self.loaded:  # a restart: never serve the initial weights under a newer version's name
-            self._run(self._load_file(version, url))
+        reg = self.clock.register_replica(actor_id, os.getpid(), self.clock.node_id, engine_pids(self.engine))
+        if reg.version != self.loaded:  # a restart: never serve the initial weights under a newer version's name
+            self._run(self._load_file(reg.version, reg.url))
         # Messages from here on: the ones before were for the process this one replaces.
-        self.control = asyncio.run_coroutine_threadsafe(self._control_loop(reg["seq"]), self.loop)
+        self.control = asyncio.run_coroutine_threadsafe(self._control_loop(reg.seq), self.loop)
         self.watchdog = asyncio.run_coroutine_threadsafe(self._watch_engine(), self.loop)
 
     async def _watch_engine(self) -> None:
@@ -189,7 +199,7 @@ class VLLMGenerate:
             if bad:
                 raise ValueError(f"prompt {row['prompt_id']} has token ids {bad[:5]} outside the vocabulary")
         prompt_ids = [row["prompt_id"] for row in rows]
-        self.clock.generating.remote(self.replica, prompt_ids)  # re-admitted if this replica dies meanwhile
+        self.clock.generating(self.replica, prompt_ids)  # re-admitted if this replica dies meanwhile
         future = asyncio.run_coroutine_threadsafe(self._generate_rows(rows), self.loop)
         try:
             out_rows = await asyncio.wrap_future(future)
@@ -197,14 +207,14 @@ class VLLMGenerate:
             if engine_dead(err):
                 self._exit(f"its vLLM engine died ({type(err).__name__})")
             raise
-        self.clock.generated.remote(self.replica, prompt_ids)
+        self.clock.generated(self.replica, prompt_ids)
         return pa.Table.from_pylist(out_rows, schema=_OUT_SCHEMA)
 
     def _exit(self, cause: str) -> None:
         """End this replica's process so that Ray restarts it with a new engine and retries its calls; an engine
         that died takes no more requests. The clock logs the restart with `cause`."""
         try:
-            ray.get(self.clock.replica_failed.remote(self.replica, cause), timeout=10)
+            self.clock.replica_failed(self.replica, cause)
         finally:
             print(f"Generate replica {self.replica}: {cause}; exiting for Ray to restart it", flush=True)
             os._exit(1)
@@ -306,63 +316,68 @@ class VLLMGenerate:
     # --- weight syncs, relayed by the VersionClock -----------------------------------------------------------
     async def _control_loop(self, seen: int) -> None:
         while True:
-            msg = await asyncio.wrap_future(self.clock.next_message.remote(seen).future())
-            seen = msg["seq"]
-            if self.replica not in msg["to"]:
+            posted = await self.clock.next_message(seen)
+            seen = posted.seq
+            if self.replica not in posted.to:
                 continue  # posted before this replica joined: a group or a version it never had
-            handlers = {
-                "init_group": self._init_group,
-                "sync": self._sync,
-                "validate": self._validate,
-                "load": self._load,
-            }
-            handler = handlers[msg["kind"]]
             try:
-                payload = await handler(msg)
+                ack = await self._handle(posted)
             except Exception as err:
                 if engine_dead(err):
                     await asyncio.to_thread(self._exit, f"its vLLM engine died ({type(err).__name__})")
-                payload = {"replica": self.replica, "failed": f"{type(err).__name__}: {err}"}
-            self.clock.ack.remote(seen, self.replica, payload)
+                ack = Failed(self.replica, f"{type(err).__name__}: {err}")
+            self.clock.ack(seen, self.replica, ack)
 
-    async def _init_group(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _handle(self, posted: Posted) -> Ack:
+        msg = posted.message
+        if isinstance(msg, JoinGroup):
+            return await self._init_group(msg)
+        if isinstance(msg, PushWeights):
+            return await self._sync(msg)
+        if isinstance(msg, Validate):
+            return await self._validate(msg, posted.to)
+        if isinstance(msg, PullWeights):
+            return await self._load()
+        raise TypeError(f"no handler for control message {msg!r}")
+
+    async def _init_group(self, msg: JoinGroup) -> Done:
         """Join the trainer's broadcast group: every worker of the engine, at this replica's first rank plus its own
         TP rank (pipeline/sync.py's group_ranks); a group formed again after a replica restarted replaces the one
         before."""
-        first = msg["ranks"][self.replica]
-        args = (msg["host"], msg["port"], first, msg["world_size"], msg["backend"], msg["connect_timeout_s"])
+        a = msg.address
+        args = (a.host, a.port, msg.ranks[self.replica], msg.world_size, a.backend, a.connect_timeout_s)
         await self.engine.collective_rpc("init_weight_group", args=args)
-        return {"replica": self.replica}
+        return Done(self.replica)
 
-    async def validate_version(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def validate_version(self, msg: Validate) -> Validated:
         """The dedicated engine's pass: load the version's weight file unless it holds it, then generate every row.
         One pass at a time, so the weights cannot change under a validation request."""
 
-        async def run() -> dict[str, Any]:
+        async def run() -> Validated:
             async with self.one_pass:
-                if msg["version"] != self.loaded:
-                    await self._swap_weights(msg["version"], "load_weights_file", (msg["url"],))
-                return await self._validate(msg)
+                if msg.version != self.loaded:
+                    await self._swap_weights(msg.version, "load_weights_file", (msg.url,))
+                return await self._validate(msg, (self.replica,))
 
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self.loop))
 
-    async def _validate(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _validate(self, msg: Validate, to: tuple[int, ...]) -> Validated:
         """This replica's share of a validation pass (pipeline/validate.py); no sync can start until it is done.
         Unless `parallel`, training requests not yet started wait until the share is done."""
-        rows = msg["rows"] if self.clock is None else msg["rows"][msg["to"].index(self.replica) :: len(msg["to"])]
-        hold = not msg["parallel"] and self.clock is not None
+        rows = msg.rows[to.index(self.replica) :: len(to)]
+        hold = not msg.parallel and self.clock is not None
         self.holding += int(hold)
         try:
-            jobs = [self._val_one(row, i, msg) for row in rows for i in range(msg["n"])]
-            return {"replica": self.replica, "samples": list(await asyncio.gather(*jobs))}
+            jobs = [self._val_one(row, i, msg) for row in rows for i in range(msg.n)]
+            return Validated(self.replica, list(await asyncio.gather(*jobs)))
         finally:
             async with self.loaded_changed:
                 self.holding -= int(hold)
                 self.loaded_changed.notify_all()
 
-    async def _val_one(self, row: dict[str, Any], index: int, msg: dict[str, Any]) -> dict[str, Any]:
-        sample_id = f"val-{msg['version']}/{row['prompt_id']}/{index}"
-        sampling = {"temperature": msg["temperature"], "top_p": msg["top_p"]}
+    async def _val_one(self, row: dict[str, Any], index: int, msg: Validate) -> dict[str, Any]:
+        sample_id = f"val-{msg.version}/{row['prompt_id']}/{index}"
+        sampling = {"temperature": msg.temperature, "top_p": msg.top_p}
         start = time.time()
         tokens, _, spans, finish, _ = await self._segment(row["prompt_ids"], self.max_tokens, sample_id, sampling)
         return {
@@ -379,18 +394,19 @@ class VLLMGenerate:
             "generated_time": time.time(),
         }
 
-    async def _sync(self, msg: dict[str, Any]) -> dict[str, Any]:
-        args = (msg["names"], msg["shapes"], msg["dtypes"])
-        return await self._swap_weights(msg["version"], "receive_weights", args)
+    async def _sync(self, msg: PushWeights) -> Loaded | Failed:
+        meta = msg.meta
+        args = (list(meta.names), [list(s) for s in meta.shapes], list(meta.dtypes))
+        return await self._swap_weights(msg.version, "receive_weights", args)
 
-    async def _load(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _load(self) -> Loaded | Done:
         """Pull mode: load the newest published version, unless this replica already has it."""
-        version, url = await asyncio.wrap_future(self.clock.newest_published.remote().future())
+        version, url = await self.clock.newest_published()
         if version <= self.loaded:
-            return {"replica": self.replica}
+            return Done(self.replica)
         return await self._swap_weights(version, "load_weights_file", (url,))
 
-    async def _swap_weights(self, version: int, rpc: str, args: tuple) -> dict[str, Any]:
+    async def _swap_weights(self, version: int, rpc: str, args: tuple) -> Loaded | Failed:
         self.running.clear()
         try:
             return await self._paused_swap(version, rpc, args)
@@ -399,12 +415,12 @@ class VLLMGenerate:
                 raise
             # The trainer gave up on this broadcast (a replica died during it) and closed the group, and it will
             # form the group again and repeat the push: stay paused, weights half loaded, until then.
-            return {"replica": self.replica, "failed": f"{type(err).__name__}: {err}"}
+            return Failed(self.replica, f"{type(err).__name__}: {err}")
         finally:  # a loop waiting for the sync's end must not wait forever, unless the push is to be repeated
             if self.loaded == version or rpc != "receive_weights":
                 self.running.set()
 
-    async def _paused_swap(self, version: int, rpc: str, args: tuple) -> dict[str, Any]:
+    async def _paused_swap(self, version: int, rpc: str, args: tuple) -> Loaded:
         t0 = time.monotonic()
         # `keep` continues the frozen requests over their KV cache, which must therefore survive the pause.
         await self.engine.pause_generation(mode=self.pause_mode, clear_cache=self.pause_mode != "keep")
@@ -424,9 +440,8 @@ class VLLMGenerate:
         async with self.loaded_changed:
             self.loaded = version
             self.loaded_changed.notify_all()
-        times = {"pause_s": t1 - t0, "transfer_s": t2 - t1, "resume_s": time.monotonic() - t2}
-        load = {"replica": self.replica, "version": version, "loaded_at": time.time(), "engine_ranks": len(loaded)}
-        return {**load, **times, **self.busy.report()}
+        t3 = time.monotonic()
+        return Loaded(self.replica, version, time.time(), len(loaded), t1 - t0, t2 - t1, t3 - t2, self.busy.report())
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -22,10 +22,10 @@ import time
 from typing import Any
 
 import pyarrow as pa
-import ray
 
 from schemas import SAMPLE_SCHEMA, require_columns
 from schemas.sample import GATE_COLUMNS, GENERATE_COLUMNS, PROMPT_COLUMNS
+from stages.control import Ack, ClockLink, Done, Loaded, Posted, PullWeights, PushWeights, Validate, Validated
 from stages.engine_busy import EngineBusy
 from stages.sim.workload import Workload, split
 
@@ -46,9 +46,9 @@ class SimGenerate:
     ) -> None:
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', not {pause_mode!r}")
-        self.clock = ray.get_actor(clock_name, namespace=namespace)
-        actor_id = ray.get_runtime_context().get_actor_id() or ""
-        self.replica = ray.get(self.clock.reserve_replica.remote(actor_id))
+        self.clock = ClockLink(clock_name, namespace)
+        actor_id = self.clock.actor_id
+        self.replica = self.clock.reserve_replica(actor_id)
         self.n, self.max_tokens, self.pause_mode = n, max_tokens, pause_mode
         self.work = Workload(**sim)
         self.scale = self.work.time_scale
@@ -56,9 +56,9 @@ class SimGenerate:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="sim-engine-loop", daemon=True).start()
         self._run(self._setup())
-        reg = ray.get(self.clock.register_replica.remote(actor_id, os.getpid()))
-        self.version = max(self.version, reg["weights"][0])  # a restarted replica starts at the newest version
-        self.control = asyncio.run_coroutine_threadsafe(self._control_loop(reg["seq"]), self.loop)
+        reg = self.clock.register_replica(actor_id, os.getpid(), self.clock.node_id, [])
+        self.version = max(self.version, reg.version)  # a restarted replica starts at the newest version
+        self.control = asyncio.run_coroutine_threadsafe(self._control_loop(reg.seq), self.loop)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -197,27 +197,35 @@ class SimGenerate:
     # --- weight syncs, relayed by the VersionClock -----------------------------------------------------------
     async def _control_loop(self, seen: int) -> None:
         while True:
-            msg = await asyncio.wrap_future(self.clock.next_message.remote(seen).future())
-            seen = msg["seq"]
-            if self.replica not in msg["to"]:
+            posted = await self.clock.next_message(seen)
+            seen = posted.seq
+            if self.replica not in posted.to:
                 continue
-            handlers = {"sync": self._sync, "validate": self._validate, "load": self._load}
-            payload = await handlers[msg["kind"]](msg) if msg["kind"] in handlers else {"replica": self.replica}
-            self.clock.ack.remote(seen, self.replica, payload)
+            self.clock.ack(seen, self.replica, await self._handle(posted))
 
-    async def _validate(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _handle(self, posted: Posted) -> Ack:
+        msg = posted.message
+        if isinstance(msg, PushWeights):
+            return await self._sync(msg.version)
+        if isinstance(msg, Validate):
+            return await self._validate(msg, posted.to)
+        if isinstance(msg, PullWeights):
+            return await self._load()
+        return Done(self.replica)  # JoinGroup: a simulated broadcast needs no group
+
+    async def _validate(self, msg: Validate, to: tuple[int, ...]) -> Validated:
         """This replica's share of a validation pass; no sync can start until it is done (pipeline/validate.py)."""
-        rows = msg["rows"][msg["to"].index(self.replica) :: len(msg["to"])]
-        ids = [f"val-{msg['version']}/{row['prompt_id']}/{i}" for row in rows for i in range(msg["n"])]
+        rows = msg.rows[to.index(self.replica) :: len(to)]
+        ids = [f"val-{msg.version}/{row['prompt_id']}/{i}" for row in rows for i in range(msg.n)]
         lengths = [self.work.response_length(sid, self.max_tokens) for sid in ids]
         totals = [self.work.units(length) for length in lengths]
-        self.holding += int(not msg["parallel"])
+        self.holding += int(not msg.parallel)
         try:
             turns = [len(self.work.turn_tokens(length)) for length in lengths]
             done = await asyncio.gather(*(self._generate(t, k) for t, k in zip(totals, turns, strict=True)))
         finally:
             async with self.state:
-                self.holding -= int(not msg["parallel"])
+                self.holding -= int(not msg.parallel)
                 self.state.notify_all()
         samples = [
             {
@@ -231,19 +239,19 @@ class SimGenerate:
                 "finish_reason": "stop",
             }
             for sid, row, total, (versions, _) in zip(
-                ids, [r for r in rows for _ in range(msg["n"])], totals, done, strict=True
+                ids, [r for r in rows for _ in range(msg.n)], totals, done, strict=True
             )
         ]
-        return {"replica": self.replica, "samples": samples}
+        return Validated(self.replica, samples)
 
-    async def _load(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _load(self) -> Ack:
         """Pull mode: load the newest published version (the store read costs the sync time), unless held."""
-        version, _ = await asyncio.wrap_future(self.clock.newest_published.remote().future())
+        version, _ = await self.clock.newest_published()
         if version <= self.version:
-            return {"replica": self.replica}
-        return {**await self._sync({"version": version}), "version": version, "loaded_at": time.time()}
+            return Done(self.replica)
+        return await self._sync(version)
 
-    async def _sync(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _sync(self, version: int) -> Loaded:
         t0 = time.monotonic()
         async with self.state:
             self.paused = True
@@ -257,10 +265,10 @@ class SimGenerate:
         await asyncio.sleep(self.work.sync_time_s() * self.scale)  # the trainer's broadcast, received
         t2 = time.monotonic()
         async with self.state:
-            self.version = msg["version"]
+            self.version = version
             self.interrupt.clear()
             self.paused = False
             self.state.notify_all()
         self.busy.resume()
-        times = {"pause_s": t1 - t0, "transfer_s": t2 - t1, "resume_s": time.monotonic() - t2}
-        return {"replica": self.replica, **times, **self.busy.report()}
+        t3 = time.monotonic()
+        return Loaded(self.replica, version, time.time(), 1, t1 - t0, t2 - t1, t3 - t2, self.busy.report())

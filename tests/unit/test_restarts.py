@@ -12,6 +12,7 @@ from pipeline import checkpoint
 from pipeline.config import load_config
 from pipeline.finish import RunFailed, restart_from_checkpoint, trainer_death
 from pipeline.observe.faults import FaultLog
+from stages.control import Done, Failed, JoinGroup
 from stages.transports import GroupAddress, WeightMeta
 
 TRAINER_ID = "ab" * 16
@@ -125,7 +126,7 @@ class _Clock:
     """Two replicas; replica 1 is gone by the time the first formation has failed."""
 
     def __init__(self) -> None:
-        self.posted: list[dict] = []
+        self.posted: list[tuple] = []  # (message, to)
         self.finished: list[int] = []
 
     def pause_admission(self) -> dict[int, int]:
@@ -137,20 +138,20 @@ class _Clock:
     def members(self) -> dict[int, int]:
         return {0: 0, 1: 0} if not self.posted else {0: 0}
 
-    def post(self, message: dict, to: list[int]) -> int:
-        self.posted.append({**message, "to": to})
+    def post(self, message, to: list[int]) -> int:
+        self.posted.append((message, to))
         return len(self.posted)
 
-    def wait_acks(self, seq: int, timeout_s: float) -> list[dict]:
-        message = self.posted[seq - 1]
-        if message["kind"] == "init_group" and seq == 1:
-            return [{"replica": 0, "failed": "DistStoreError: timed out"}]
-        return [{"replica": r} for r in message["to"]]
+    def wait_acks(self, seq: int, timeout_s: float) -> list:
+        message, to = self.posted[seq - 1]
+        if isinstance(message, JoinGroup) and seq == 1:
+            return [Failed(0, "DistStoreError: timed out")]
+        return [Done(r) for r in to]
 
     def finish_sync(self, version: int, snapshot=None) -> None:
         self.finished.append(version)
 
-    def history(self) -> tuple[list[dict], list[int]]:
+    def history(self) -> tuple[list[tuple], list[int]]:
         return self.posted, self.finished
 
 
@@ -167,8 +168,9 @@ def test_a_group_that_fails_to_form_is_formed_again_with_the_live_replicas(ray_s
     metrics = push.sync(1)
     posted, finished = ray.get(clock.history.remote())
     assert ray.get(trainer.history.remote()) == [3, 2]  # trainer + 2 replicas, then trainer + the survivor
-    assert [(m["kind"], m["to"]) for m in posted] == [("init_group", [0, 1]), ("init_group", [0]), ("sync", [0])]
-    assert all(m["connect_timeout_s"] == 5.0 for m in posted[:2])
+    kinds = [(type(m).__name__, to) for m, to in posted]
+    assert kinds == [("JoinGroup", [0, 1]), ("JoinGroup", [0]), ("PushWeights", [0])]
+    assert all(m.address.connect_timeout_s == 5.0 for m, _ in posted[:2])
     assert finished == [1] and push.group == {0: 0} and "sync/trainer_blocked_s" in metrics
 
 
