@@ -1,7 +1,7 @@
 """Weight-sync throughput: the trainer's BroadcastSender (gloo) pushing to an engine worker's WeightReceiver in another
 process, for models of ~1M to ~100M parameters, next to this machine's memory-copy bandwidth for the same tensors.
 
-Both ends are the pipeline's code (stages/transports/broadcast.py, stages/vllm_worker.py); only vLLM's
+Both ends are the pipeline's code (stages/transports/broadcast.py, stages/engines/vllm_worker.py); only vLLM's
 `reload_weights` is replaced by a copy into preallocated buffers, so the figure is the transport's. Then a model of
 small tensors (the embedded job's: 27 tensors, 1.9 MB), pushed as a run pushes it (small tensors packed into one
 broadcast) against one push per tensor (one broadcast each, as before the packing).
@@ -48,7 +48,7 @@ class _Runner:
 
 
 def _engine(host: str, port: int, shapes: list[list[int]], rounds: int, one_by_one: bool) -> None:
-    from stages.vllm_worker import WeightReceiver, repack_cpu_experts
+    from stages.engines.vllm_worker import WeightReceiver, repack_cpu_experts
 
     torch.set_num_threads(1)
     repack_cpu_experts(torch.nn.Module())  # its vLLM imports (seconds) before the clock starts, not in a push

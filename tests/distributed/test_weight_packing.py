@@ -60,7 +60,7 @@ class _Recorder:
 
 
 def _engine(port: int, meta: tuple, queue) -> None:
-    from stages.vllm_worker import WeightReceiver
+    from stages.engines.vllm_worker import WeightReceiver
 
     receiver = WeightReceiver()
     receiver.model_runner, receiver.rank = _Recorder(), 0  # the one TP rank of its engine

@@ -91,7 +91,7 @@ def _push_reaches_both_ranks(model_dir, log_dir) -> None:
         return max(abs(a - b) for e, r in zip(engine_lp, recomputed, strict=True) for a, b in zip(e, r, strict=True))
 
     def checksums(name: str) -> list[float]:  # one per engine worker, in TP rank order
-        rpc = lambda stage: stage._run(stage.engine.collective_rpc("weight_checksum", args=(name,)))  # noqa: E731
+        rpc = lambda stage: stage.replica.run(stage.replica.engine.llm.collective_rpc("weight_checksum", args=(name,)))  # noqa: E731
         return ray.get(engine.__ray_call__.remote(rpc))
 
     try:

@@ -1,7 +1,7 @@
 """vLLM worker extension: the engine side of the weight sync, and the MoE route capture.
 
 vLLM mixes one class into every engine worker (`worker_extension_cls`): `EngineWorker`, made of `WeightReceiver` and
-`RouteCapture`; the Generate stage reaches their methods through `collective_rpc`.
+`RouteCapture`; the engine (stages/engines/vllm.py) reaches their methods through `collective_rpc`.
 
 Weight sync: every worker of an engine (one per tensor-parallel rank) holds the receiver of the trainer's transport
 (stages/transports: a gloo or NCCL broadcast, CUDA IPC, or pull mode's store), receives each tensor whole and loads
@@ -12,11 +12,11 @@ after loading, so a plain `load_weights` after start-up would be wrong).
 After every reload the CPU MoE experts are packed again (`repack_cpu_experts`): vLLM's reload leaves them in the
 checkpoint layout, which its CPU kernel reads as garbage.
 
-Route capture (stages/vllm_routes.py is the stage's side): a capture function on every MoE router files the experts
-it chose for each token of the batch under the token's request and position, while `execute_model` runs; the stage
-fetches a finished request's rows with `fetch_routes`. Rows are filed by position, so a request recomputed after a
-preemption overwrites its own rows. The engine must run without prefix caching: a cached prefix is not recomputed,
-so it would have no rows.
+Route capture (stages/engines/vllm_routes.py is the engine's side): a capture function on every MoE router files the
+experts it chose for each token of the batch under the token's request and position, while `execute_model` runs; the
+engine fetches a finished request's rows with `fetch_routes`. Rows are filed by position, so a request recomputed
+after a preemption overwrites its own rows. The engine must run without prefix caching: a cached prefix is not
+recomputed, so it would have no rows.
 
 `collective_rpc` arguments travel through msgspec, so names, shapes and dtypes are sent, never tensors.
 """
