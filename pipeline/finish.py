@@ -70,12 +70,13 @@ def trainer_death(err: BaseException, trainer) -> str | None:
     return None
 
 
-def restart_or_raise(ctx, err: Exception, restarts: int):
-    """After `err` ended an attempt: the config of the next attempt if the trainer died and can restart from a
-    checkpoint; else bad input as it is (the CLI reports it as at start-up), or RunFailed naming what failed."""
+def restart_or_raise(ctx, err: Exception, restarts: int, trainer=None):
+    """After `err` ended an attempt: the config of the next attempt if `trainer` (the attempt's trainer actor) died
+    and can restart from a checkpoint; else bad input as it is (the CLI reports it as at start-up), or RunFailed
+    naming what failed."""
     if isinstance(err, (ConfigError, PromptDataError)):
         raise err
-    cause = trainer_death(err, ctx.trainer)
+    cause = trainer_death(err, trainer)
     if cause is None:
         raise failure(ctx, err) from err
     return restart_from_checkpoint(ctx, cause, restarts)

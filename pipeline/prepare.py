@@ -29,25 +29,24 @@ from pipeline.tasks.admission import AdmissionOrder, PromptSource
 from pipeline.tasks.source import PromptDataError, PromptFile, load_prompts
 from stages.staleness import StalenessBudget
 
+CLOCK_NAME = "version_clock"  # the VersionClock's actor name, in the run's own namespace
 
-@dataclass
+
+@dataclass(frozen=True)
 class RunContext:
+    """What `prepare` established before anything of the stream starts; frozen, complete when it returns."""
+
     cfg: RunConfig
     run_dir: Path
     model_dir: Path
     source: PromptSource  # the stream's prompts, laid out lazily (pipeline/tasks/admission.py)
     namespace: str
     monitor: Monitor
-    started_ray: bool = False
-    clock_handle: tuple[str, str] = ("", "")
+    placement: Placement  # where the actors go (ray.placement), checked against the cluster
+    started_ray: bool = False  # this run started the local Ray it uses (and ends it)
     resumed: Checkpoint | None = None  # the checkpoint this attempt continues from
     optimizer_state: Path | None = None
     val_prompts: pa.Table | None = None  # held-out prompts (pipeline/validate.py)
-    stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
-    clock: Any = None  # the actors this attempt started, ended with it on a cluster that outlives the run
-    trainer: Any = None
-    trainer_group: Any = None  # the placement group of a trainer over several nodes (pipeline/trainer_launch.py)
-    placement: Placement = Placement()  # where the actors go (ray.placement), checked against the cluster
 
     @property
     def start_step(self) -> int:
@@ -61,36 +60,53 @@ class RunContext:
     def checkpoint_root(self) -> str:
         return checkpoint.root_of(self.cfg.trainer.checkpoint_dir, self.run_dir)
 
-    def start_clock(self, budget: StalenessBudget):
-        name = "version_clock"
-        clock = (
-            ray.remote(VersionClock)
-            .options(
-                name=name,
-                namespace=self.namespace,
-                num_cpus=0,
-                max_concurrency=1000,
-                resources=self.placement.head_resources(),  # beside the driver and the gate that call it
-            )
-            .remote(
-                budget,
-                self.cfg.rollout.num_replicas,
-                self.start_version,
-                self._prior_admissions(),
-                self.cfg.rollout.engine_max_restarts,
-            )
-        )
-        self.clock_handle, self.clock = (name, self.namespace), clock
-        return clock
+    @property
+    def clock_handle(self) -> tuple[str, str]:
+        """The VersionClock's (name, namespace), by which stages find it (stages.control.ClockLink)."""
+        return CLOCK_NAME, self.namespace
 
-    def _prior_admissions(self) -> list[tuple[str, int, float]]:
+    def prior_admissions(self) -> list[tuple[str, int, float]]:
         if self.resumed is None:
             return []
         ledger = self.resumed.ledger
         return list(zip(*(ledger[c].to_pylist() for c in ledger.column_names), strict=True))
 
+
+@dataclass
+class Attempt:
+    """What one attempt of the run started as it goes, to be ended with it (`shutdown`): on a cluster that outlives
+    the run, a restarted attempt reuses the actors' names."""
+
+    ctx: RunContext
+    clock: Any = None
+    trainer: Any = None
+    trainer_group: Any = None  # the placement group of a trainer over several nodes (pipeline/trainer_launch.py)
+    stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
+
+    def start_clock(self, budget: StalenessBudget):
+        ctx = self.ctx
+        name, namespace = ctx.clock_handle
+        self.clock = (
+            ray.remote(VersionClock)
+            .options(
+                name=name,
+                namespace=namespace,
+                num_cpus=0,
+                max_concurrency=1000,
+                resources=ctx.placement.head_resources(),  # beside the driver and the gate that call it
+            )
+            .remote(
+                budget,
+                ctx.cfg.rollout.num_replicas,
+                ctx.start_version,
+                ctx.prior_admissions(),
+                ctx.cfg.rollout.engine_max_restarts,
+            )
+        )
+        return self.clock
+
     def stop_ray(self) -> None:
-        if self.started_ray and ray.is_initialized():
+        if self.ctx.started_ray and ray.is_initialized():
             ray.shutdown()
         elif ray.is_initialized():  # a cluster that goes on: end what this attempt started (a restart reuses names)
             for actor in (self.trainer, self.clock):
@@ -109,7 +125,7 @@ class RunContext:
                 wait_for_executors(timeout_s=20.0)
             self.stop_ray()
         finally:
-            self.monitor.close("FAILED")
+            self.ctx.monitor.close("FAILED")
 
 
 # What a run that trained leaves in its directory; a directory with only config.yaml, model/ or data/ is one whose
@@ -353,10 +369,10 @@ def prepare(cfg: RunConfig) -> RunContext:
     except BaseException:
         monitor.close("FAILED")
         raise
-    ctx = RunContext(cfg, run_dir, model_dir, source, f"asyncrl-{run_dir.name}", monitor, started_ray=started)
-    ctx.placement = where
-    ctx.resumed, ctx.optimizer_state, ctx.val_prompts = resumed, optimizer_state, val_prompts
-    return ctx
+    namespace = f"asyncrl-{run_dir.name}"
+    return RunContext(
+        cfg, run_dir, model_dir, source, namespace, monitor, where, started, resumed, optimizer_state, val_prompts
+    )
 
 
 def _checked_layout(cfg: RunConfig, started_ray: bool) -> Placement:

@@ -9,12 +9,15 @@ move nothing and take the workload's transfer time.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.handoff import StepRows, rows_of
 from stages.sim.workload import Workload
 from stages.trainer.weight_sync import SendsWeights
-from stages.transports import GroupAddress, WeightMeta, Weights
+from stages.transports import GroupAddress, WeightMeta
+
+if TYPE_CHECKING:
+    from stages.transports import Weights
 
 
 class SimTrainer(SendsWeights):

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-
-import torch
+from typing import TYPE_CHECKING
 
 from stages.transports import GroupAddress, GroupSender, WeightMeta
 from stages.transports.store import StoreSender
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SendsWeights:
@@ -29,7 +31,7 @@ class SendsWeights:
     store = StoreSender()
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The backend's HF-named tensors, in `weight_meta()`'s order."""
+        """The backend's HF-named tensors, in `weight_meta()`'s order (computed without autograd)."""
         raise NotImplementedError
 
     def weight_meta(self) -> WeightMeta:
@@ -42,13 +44,11 @@ class SendsWeights:
     def wait_weight_sync(self) -> None:
         self.sender.wait_open()
 
-    @torch.no_grad()
     def push_weights(self) -> dict[str, float]:
         start = time.monotonic()
         sent = self.sender.send(self.export_weights())
         return {"sync/bytes": float(sent), "sync/broadcast_s": time.monotonic() - start}
 
-    @torch.no_grad()
     def publish_weights(self, url: str) -> dict[str, float]:
         """Write the weights as one safetensors file at `url` (any fsspec URL) for the engines to load."""
         start = time.monotonic()

@@ -22,18 +22,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors move, not by every stage that names these types
+    import torch
+
+    Named = Iterable[tuple[str, torch.Tensor]]
+    Weights = Mapping[str, torch.Tensor] | Named
+    Target = torch.nn.Module | Callable[[Iterator[tuple[str, torch.Tensor]]], object]
 
 BACKENDS = ("gloo", "nccl", "ipc")
 # How long one collective may wait for a peer, once the group is formed: a receiver joins a push only after its
 # engine drained or aborted its requests. Forming the group has its own, short timeout (`connect_timeout_s`).
 OP_TIMEOUT = timedelta(seconds=600)
-
-Named = Iterable[tuple[str, torch.Tensor]]
-Weights = Mapping[str, torch.Tensor] | Named
-Target = torch.nn.Module | Callable[[Iterator[tuple[str, torch.Tensor]]], object]
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class GroupReceiver(Protocol):
 def make_sender(backend: str = "gloo", host: str = "127.0.0.1") -> GroupSender:
     """The trainer's side of `weight_sync.backend`, listening on `host` (the trainer's node address: the engines may
     run on other nodes); nccl and ipc need CUDA and say so."""
+    import torch
+
     if backend not in BACKENDS:
         raise ValueError(f"weight_sync.backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if backend != "gloo" and not torch.cuda.is_available():
@@ -138,6 +141,8 @@ def named(weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
 def loader(target: Target) -> Callable[[Iterator[tuple[str, torch.Tensor]]], object]:
     """A `load_weights(weights)` callable for `target`: the callable itself, or for a model a copy of each tensor into
     the parameter or buffer of its name. The stream is consumed whole either way: its receives are collectives."""
+    import torch
+
     if not isinstance(target, torch.nn.Module):
         return target
     own = target.state_dict(keep_vars=True)

@@ -14,13 +14,17 @@ import threading
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from stages.transports import OP_TIMEOUT, GroupAddress, Target, WeightMeta, Weights, loader, named
+from stages.transports import OP_TIMEOUT, GroupAddress, WeightMeta, loader, named
 from stages.transports.group import close_group, listen, open_group
 from stages.transports.packing import layout, nbytes, pack, packed, size_of, unpack
+
+if TYPE_CHECKING:
+    from stages.transports import Target, Weights
 
 
 class BroadcastSender:

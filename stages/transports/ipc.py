@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from stages.transports import GroupAddress, Target, WeightMeta, Weights, loader, named
+from stages.transports import GroupAddress, WeightMeta, loader, named
 from stages.transports.broadcast import BroadcastSender, join_group
 from stages.transports.group import close_group
 from stages.transports.packing import nbytes
+
+if TYPE_CHECKING:
+    from stages.transports import Target, Weights
 
 
 class IpcSender:

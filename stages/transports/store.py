@@ -4,10 +4,16 @@ own safe point. A restarted replica in push mode reads the same kind of file (th
 
 from __future__ import annotations
 
-import fsspec
-import torch
+from typing import TYPE_CHECKING
 
-from stages.transports import Target, Weights, loader, named
+import fsspec
+
+from stages.transports import loader, named
+
+if TYPE_CHECKING:
+    import torch
+
+    from stages.transports import Target, Weights
 
 
 class StoreSender:
