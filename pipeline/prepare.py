@@ -24,9 +24,10 @@ from pipeline.config import ConfigError, RunConfig, to_yaml
 from pipeline.config.checks import check_engine_heads
 from pipeline.config.placement import Placement
 from pipeline.observe.monitor import Monitor, make_monitor
-from pipeline.stream import check_layout, wait_for_executors
+from pipeline.stream import check_layout
 from pipeline.tasks.admission import AdmissionOrder, PromptSource
 from pipeline.tasks.source import PromptDataError, PromptFile, load_prompts
+from stages import ray_internals
 from stages.staleness import StalenessBudget
 
 CLOCK_NAME = "version_clock"  # the VersionClock's actor name, in the run's own namespace
@@ -122,7 +123,7 @@ class Attempt:
         try:
             if self.stream is not None and ray.is_initialized():
                 self.stream.close()
-                wait_for_executors(timeout_s=20.0)
+                ray_internals.wait_for_data_threads(timeout_s=20.0)
             self.stop_ray()
         finally:
             self.ctx.monitor.close("FAILED")
@@ -279,11 +280,11 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address:
         if _on_loopback(address):  # else Ray looks for this machine's nodes at its routable address, and waits
-            _keep_ray_on_loopback()
+            ray_internals.keep_ray_on_loopback()
         ray.init(address=address, runtime_env={"env_vars": _not_set_by_job(env_vars)}, log_to_driver=False)
-        _no_second_ray()
+        ray_internals.no_auto_connect()
         return False
-    _keep_ray_on_loopback()
+    ray_internals.keep_ray_on_loopback()
     ray.init(
         address="local",  # a new local instance: never join a `ray start` cluster found on this machine
         num_cpus=cfg.ray.num_cpus,
@@ -293,26 +294,14 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
         log_to_driver=os.environ.get("ASYNCRL_WORKER_LOGS") == "1",
         _temp_dir=os.environ.get("ASYNCRL_RAY_TMP"),
     )
-    _no_second_ray()
+    ray_internals.no_auto_connect()
     return True
-
-
-def _no_second_ray() -> None:
-    """A Ray call in this process after the run's ray.shutdown() (a late library thread, a finaliser) would start a
-    fresh local Ray by itself and could hang the exit; with auto-connect off it raises instead. Ray reads the switch
-    from the environment at import, so the module's flag is set too."""
-    from ray._private import auto_init_hook
-
-    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
-    auto_init_hook.enable_auto_connect = False
 
 
 def _not_set_by_job(env_vars: dict[str, str]) -> dict[str, str]:
     """Inside a Ray job, ray.init merges its runtime env with the job's and refuses a variable that both set: the
     submitter's value wins, ours is left out. Ray passes the job's runtime env to its driver in this variable."""
-    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
-
-    job_config = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    job_config = json.loads(os.environ.get(ray_internals.job_env_vars()) or "{}")
     taken = (job_config.get("runtime_env") or {}).get("env_vars") or {}
     return {k: v for k, v in env_vars.items() if k not in taken}
 
@@ -328,16 +317,6 @@ def _on_loopback(address: str) -> bool:
     """Whether a cluster address (`host:port`, `ray://host:port`) names this machine's loopback."""
     host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     return host == "localhost" or host == "::1" or host.startswith("127.")
-
-
-def _keep_ray_on_loopback() -> None:
-    """Ray resolves 127.0.0.1 to the host's routable address and then listens on every interface. Its
-    single-machine switch keeps the node, and so every Ray server, on loopback. The switch is read when `ray` is
-    imported, so it is set both for the processes Ray starts (environment) and for this one (the constant)."""
-    from ray._private import ray_constants
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def prepare(cfg: RunConfig) -> RunContext:

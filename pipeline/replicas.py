@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages import ray_internals
+
 
 @dataclass
 class Member:
@@ -98,10 +100,8 @@ def actor_restarts(actor_id: str) -> int:
     """How many times Ray has restarted the actor (counted when it dies, before the new process exists), or -1 if
     it is dead for good. No id (a replica outside Ray, in unit tests): 0, always alive.
 
-    Read from Ray's control store: the public state API needs the dashboard, which a run does not start."""
+    Read from Ray's control store (stages.ray_internals.actor_state)."""
     if not actor_id:
         return 0
-    from ray._private import state
-
-    info = state.actors(actor_id)
-    return -1 if not info or info["State"] == "DEAD" else int(info["NumRestarts"])
+    info = ray_internals.actor_state(actor_id)
+    return -1 if info is None or info["State"] == "DEAD" else int(info["NumRestarts"])

@@ -22,6 +22,7 @@ from pipeline.prepare import Attempt, RunContext, prepare
 from pipeline.stream import build_stream, configure_data_context, placement, step_transform
 from pipeline.trainer_launch import start_trainer
 from pipeline.validate import make_validator
+from stages import ray_internals
 from stages.handoff import ByReference, TokenTables
 from stages.sink import TrainingSink
 from stages.staleness import StalenessBudget, mode_name
@@ -70,7 +71,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, attempt: Attempt, restarts: int) -> d
         flush=True,
     )
     version, started, counters = ctx.start_version, time.monotonic(), FullyAsyncCounters()
-    faults = FaultLog(ctx.run_dir, restarts, ray.get(trainer.__ray_call__.remote(lambda _: os.getpid())))
+    faults = FaultLog(ctx.run_dir, restarts, ray.get(ray_internals.call_on_actor(trainer, lambda _: os.getpid())))
     syncer = sync.make_syncer(cfg, trainer, clock, ctx.run_dir)  # push (verl) or pull (a parameter store)
     validator = make_validator(cfg, ctx, clock, trainer)  # held-out prompts at sync points
     try:

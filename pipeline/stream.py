@@ -11,10 +11,8 @@ plain constructor arguments.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +21,6 @@ from typing import Any
 import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
-from ray.data._internal.execution import metadata_fetcher, streaming_executor_state
 from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, bind, stage_class
@@ -32,6 +29,7 @@ from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
 from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
 from pipeline.tasks.source import PromptDataError
+from stages import ray_internals
 from stages.advantage import ESTIMATORS, GRPOAdvantage, ReinforcePlusPlusAdvantage, whiten_step
 from stages.gate import StalenessGate
 from stages.handoff import SplitTokens, TokenTables
@@ -49,17 +47,11 @@ def configure_data_context(no_progress_timeout_s: float) -> None:
     ctx.execution_no_progress_timeout_s = no_progress_timeout_s  # -1: a gate blocked through a long step is fine
     ctx.enable_progress_bars = False  # the driver shows one bar for the whole run
     ctx.print_on_execution_start = False
-    # Ray Data's scheduling loop moves a finished block on only once every task in flight has finished or 0.1 s has
-    # passed; with a gate or an engine call always pending, that is 0.1 s per hop between stages. 0.02 s took the
-    # stream from a block's generation to the driver in 0.19 s instead of 0.45 s (bench.overhead, 8 prompts per
-    # call); shorter polls spin the driver's CPU and were slower on 2 cores. tests/unit checks the name still exists.
-    streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = SCHEDULING_WAIT_S
-    # By default a finished block's metadata is fetched on a thread of its own and the block moves on only at the
-    # loop's next round: one more wait per hop. Fetched in the loop (a small object already local: about a ms), it
-    # moves on in the round that found it: the driver had a block 15 ms after its engine call returned instead of
-    # 37 (tenth percentile) and the trainer idle 0.44 instead of 0.48 (the embedded job, one run each). Read when the
-    # stream's executor starts, so setting it here covers every stream of this process.
-    metadata_fetcher._PREFETCH_ON_THREAD = False
+    # With a gate or an engine call always pending, Ray Data's scheduling loop waits its full 0.1 s at every hop
+    # between stages; and by default it fetches a finished block's metadata one round later, on a thread. Both
+    # shortened: docs/benchmarks.md has what each saved (bench.overhead, the embedded job).
+    ray_internals.shorten_scheduling_wait(SCHEDULING_WAIT_S)
+    ray_internals.fetch_metadata_in_loop()
 
 
 def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], version: int) -> tuple[type, dict]:
@@ -271,16 +263,7 @@ def stream_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
     return [*stages, Stage("split", SplitTokens, {"tables": inputs.tables}, split)]
 
 
-@contextlib.contextmanager
-def _restarts_by_keyword():
-    """Ray 2.60 takes an actor stage's `max_restarts` only as a keyword of map_batches, and warns that such keywords
-    are deprecated without naming a replacement for this one: silence that warning, and only it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-        yield
-
-
-@_restarts_by_keyword()
+@ray_internals.restarts_by_keyword()
 def build_stream(
     cfg: RunConfig,
     source: PromptSource,
@@ -316,24 +299,13 @@ def prompt_dataset(source: PromptSource, clock: tuple[str, str] | None = None) -
 
     `clock`: the VersionClock's (name, namespace); without one (a benchmark) the read is not paced.
     """
-    from ray.data._internal.compute import TaskPoolStrategy
-    from ray.data._internal.logical.interfaces import LogicalPlan
-    from ray.data._internal.logical.operators import StreamingRepartition
-
     # Over the target (whatever Ray adds to nbytes), and by less than one block: a task's output of 1.5x the target
     # or more is sliced at arbitrary rows.
     join_bytes = int(1.1 * DataContext.get_current().target_max_block_size)
     datasource = _PromptDatasource(ray.put(source), join_bytes, clock)
     ds = ray.data.read_datasource(datasource, override_num_blocks=2, num_cpus=0, concurrency=1)
-    # Dataset.repartition(target_num_rows_per_block=...) takes no compute or resources: one task at a time keeps the
-    # blocks in order (and the end marker last), num_cpus=0 as above.
-    cut = StreamingRepartition(
-        target_num_rows_per_block=source.block_rows,
-        input_dependencies=[ds._logical_plan.dag],
-        compute=TaskPoolStrategy(size=1),
-        ray_remote_args={"num_cpus": 0},
-    )
-    return ray.data.Dataset._from_parent(ds, LogicalPlan(cut, ds.context))
+    # One task at a time keeps the blocks in order (and the end marker last), num_cpus=0 as above.
+    return ray_internals.repartition_in_order(ds, source.block_rows)
 
 
 class _PromptDatasource(ray.data.Datasource):
@@ -379,25 +351,3 @@ def _admission_count(clock: tuple[str, str] | None, source: PromptSource) -> Cal
 class BadPromptRow(PromptDataError, UserCodeException):
     """A bad row the stream reached. Being a UserCodeException, Ray Data reports it as the data's fault (one line, no
     internal traceback, no advice to file a Ray bug); the driver catches it as the PromptDataError it is."""
-
-
-def wait_for_executors(timeout_s: float = 120.0) -> None:
-    """Wait until Ray Data's driver-side threads have ended, after the stream's iterator was closed.
-
-    Closing the iterator shuts the executor down but joins its thread for only 2 s, and the iterator's own worker
-    threads ("iter_threaded") may still be fetching a last block. A thread that touches Ray after ray.shutdown()
-    makes Ray's core worker end the whole process with exit code 1, so every one of them is joined first.
-    """
-    import threading
-    import time
-
-    from ray.data._internal.execution.streaming_executor import StreamingExecutor
-
-    deadline = time.monotonic() + timeout_s
-    for thread in threading.enumerate():
-        if isinstance(thread, StreamingExecutor) or thread.name in _DATA_THREADS:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-# Ray Data threads in the driver that end once the iterator is closed and may touch Ray until they do.
-_DATA_THREADS = {"iter_threaded", "ray-data-metadata-prefetch"}
