@@ -40,7 +40,7 @@ def start_trainer(ctx: RunContext, attempt: Attempt):
     if cfg.trainer.backend == "sim":
         from stages.sim.trainer import SimTrainer
 
-        # It only sleeps: no CPU, so it never competes with the stages for one on a 2-core box.
+        # It only sleeps: no CPU, so it never competes with the stages for one on a small machine.
         options = {"num_cpus": 0, "resources": placement.trainer_resources()}
         return ray.remote(SimTrainer).options(**options).remote(dataclasses.asdict(cfg.sim))
     Trainer, extra = _backend(ctx)

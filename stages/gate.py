@@ -4,10 +4,11 @@ Input columns:  prompt_id, prompt_text, prompt_ids, ground_truth, data_source
 Output columns: input columns + admitted_version (int64), admitted_time (float64)
 
 Ray Data's own backpressure bounds memory: left alone, an endless source runs hundreds of blocks ahead of the
-trainer. This stage runs as a single actor with one task in flight; each call waits on the VersionClock for
-permits and yields the rows it was allowed to admit, so Ray Data stops pulling prompts exactly when verl's
-rollouter would pause. A block is split when only part of it fits the current version's budget: never more
-than `max_required_samples` prompts are admitted per version, and never fewer when the trainer needs them.
+trainer. This stage runs as a single actor that takes one call at a time; each call waits on the VersionClock
+(through stages.control.ClockLink) for permits and yields the rows it was allowed to admit, so Ray Data stops pulling
+prompts exactly when verl's rollouter would pause. A block is split when only part of it fits the current version's
+budget: never more than `max_required_samples` prompts are admitted per version, and never fewer when the trainer
+needs them.
 """
 
 from __future__ import annotations

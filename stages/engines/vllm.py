@@ -220,9 +220,8 @@ def parallel_args(tensor_parallel_size: int, gpu: bool) -> dict[str, Any]:
 
     On CPU vLLM turns 'uni' into 'mp' (vllm/platforms/cpu.py), so one rank still has a worker process of its own,
     bound by vLLM to its cores. VLLM_ENABLE_V1_MULTIPROCESSING=0 would keep the worker in the engine core and start
-    the engine in 20 s instead of 30, but the embedded job's reward over its last 10 % of steps was 0.76, 0.87, 0.92
-    and 0.94 in four runs that way, against 0.84, 0.95, 0.96 and 0.97 in four with the worker apart, with the same
-    logprobs as the trainer's in both (a cause not found): not shown to learn as well, so left as vLLM sets it.
+    the engine faster, but the embedded job was not shown to learn as well that way (docs/benchmarks.md, "One CPU
+    engine's worker"), so it is left as vLLM sets it.
 
     On CPU, vLLM binds each rank's threads to a NUMA node of its own and refuses a machine with fewer NUMA nodes than
     ranks ("Not enough allowed NUMA nodes to bind threads", vllm/utils/ompmultiprocessing.py); there the cores this

@@ -2,7 +2,7 @@
 
 The driver talks to this one object (a Ray actor, like TorchTrainer) through the TrainerBackend calls. It is rank 0
 itself (a TorchTrainer with a DPRank, stages/trainer/fsdp.py) and starts the other ranks as Ray actors (`num_cpus=0`,
-as the Megatron backend's peers: two actors holding a CPU each deadlock a 2-core box); every rank runs each call in
+as the Megatron backend's peers: two actors holding a CPU each deadlock a small machine); every rank runs each call in
 the same order, since its forward, backward and gathers are collectives.
 
 A step, for each mini-batch:

@@ -2,10 +2,10 @@
 
 The driver talks to this one object (a Ray actor, like TorchTrainer) through the TrainerBackend calls. It is rank 0
 itself and starts the other `TP x PP x DP - 1` ranks as Ray actors (`num_cpus=0`:
-two actors holding a CPU each deadlock a 2-core box, DESIGN.md §6), and makes every rank run each call in the same
+two actors holding a CPU each deadlock a small machine), and makes every rank run each call in the same
 order, since the ranks' forward, backward, gradient reductions and weight gathers are collectives. The ranks form
 their own torch.distributed world (gloo on CPU, NCCL on GPU), on one node or several (stages/trainer/ranks.py), and
-the weight sync to the engines uses a second, private group (stages/trainer/weight_sync.py), so the two never
+the weight sync to the engines uses a second, private group (stages/transports/group.py), so the two never
 collide.
 
 Data parallelism (DP = trainer ranks / TP): each mini-batch's rows are split across the model replicas balanced by

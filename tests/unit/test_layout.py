@@ -3,6 +3,8 @@
     schemas  <-  stages  <-  pipeline helpers (config <- tasks, observe, sim)  <-  the driver (pipeline/*.py)
 
 An arrow points from what is imported to its importer; nothing imports upward. bench/, infra/ and tests/ sit on top.
+Inside stages/ the rooms (ROOMS) import only what they build on, stages reach the VersionClock only through
+stages.control.ClockLink, and every call they make on it exists on the clock.
 """
 
 import ast
@@ -115,3 +117,28 @@ def test_every_clock_call_a_stage_makes_exists_on_the_clock():
         if isinstance(n, ast.Attribute) and n.attr == "remote" and isinstance(n.value, ast.Attribute)
     }
     assert called and all(inspect.iscoroutinefunction(getattr(VersionClock, c, None)) for c in called), called
+
+
+# Rooms inside stages/ and what each may import of stages/ besides itself (schemas/ always): the transports need
+# torch alone (a pair runs without the rest), the control plane only names the transports' types, an engine knows
+# nothing of the replica above it, and the replica knows engines only through their interface.
+ROOMS = {
+    "stages.ray_internals": set(),
+    "stages.transports": set(),
+    "stages.control": {"stages.transports"},
+    "stages.engines": {"stages.agents", "stages.engine_busy", "stages.transports", "stages.sim.workload"},
+    "stages.replica": {"stages.agents", "stages.control", "stages.engines.base"},
+}
+
+
+def _room(module: str) -> str | None:
+    return next((r for r in ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if _room(_module(p))], ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_room_imports_only_what_it_builds_on(path):
+    room = _room(_module(path))
+    allowed = ROOMS[room] | {room}
+    ours = [m for m in _imports(path) if m.split(".")[0] == "stages"]
+    outside = [m for m in ours if not any(m == a or m.startswith(a + ".") for a in allowed)]
+    assert not outside, f"{path.relative_to(ROOT)} ({room}) imports {outside}; it may import {sorted(allowed)}"
