@@ -109,7 +109,7 @@ def _push_reaches_both_ranks(model_dir, log_dir) -> None:
         # final norm is whole on each. (A linear layer's `weight` is empty on CPU, its packed copy has no name.)
         sharded, replicated = "lm_head.weight", "model.norm.weight"
         meta = ray.get(trainer.weight_meta.remote())
-        numel = {n: math.prod(s) for n, s in zip(meta["names"], meta["shapes"], strict=True)}
+        numel = {n: math.prod(s) for n, s in zip(meta.names, meta.shapes, strict=True)}
         assert sum(checksums(sharded)) != pytest.approx(0.25 * numel[sharded])
         ray.get(trainer.set_weight.remote(sharded, 0.25))
         ray.get(trainer.set_weight.remote(replicated, 0.5))
