@@ -1,6 +1,6 @@
-"""CUDA IPC for a trainer and an engine on one GPU, where NCCL cannot place two ranks. Not run on a GPU in this
-project's tests: written from torch's documented IPC calls and kept runnable on its own (a {name: tensor} dict in,
-a model or `load_weights` callable out) for a check on a GPU machine without Ray or vLLM.
+"""CUDA IPC for a trainer and an engine on one GPU, where NCCL cannot place two ranks. The pair runs on its own, with
+torch alone (a {name: tensor} dict in, a model or `load_weights` callable out): tests/gpu/test_transports_gpu.py
+drives it between two processes on one GPU (it passed on an H100). Inside vLLM's workers it has not run on a GPU.
 
 The group is gloo and carries only handles and acknowledgements: for each tensor the sender broadcasts a picklable
 CUDA IPC handle of its own memory (`reduce_tensor`), every receiver maps that memory (`rebuild_cuda_tensor`), copies
