@@ -203,29 +203,55 @@ def stream_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
     """The stream's stages in order, from the config: gate, generate, [reference logprobs], reward, advantage, sample
     log, split. Scoring runs in the engine's actor (the last four inside ScoredGenerate) unless a reference model
     needs a stage between generation and scoring (RunConfig.scores_in_engine)."""
+    gen_cls, gen_kwargs = generate_stage(cfg, inputs.model_dir, inputs.clock, inputs.version)
+    reward_cls, reward_kwargs = reward_stage(cfg)
+    adv_cls, adv_kwargs = advantage_stage(cfg)
+    scoring = [reward_cls(**reward_kwargs), adv_cls(**adv_kwargs), SampleLog(f"{inputs.run_dir}/samples")]
+    engine = _engine_options(cfg, inputs)
+    if cfg.scores_in_engine():  # one hop fewer: the engine's actor scores, logs and splits
+        generate = {"generate": (gen_cls, gen_kwargs), "scoring": scoring, "owners": inputs.owners}
+        return [_gate(inputs), Stage("generate", ScoredGenerate, generate, engine)]
+    stages = [_gate(inputs), Stage("generate", gen_cls, gen_kwargs, engine)]
+    if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
+        ref_cls, ref_extra = stage_class(cfg.stages.ref_logprob, "stages.ref_logprob")
+        ref_wiring = {"model_dir": reference_model_dir(cfg, inputs.model_dir, inputs.run_dir)}
+        ref_kwargs = bind(ref_cls, "stages.ref_logprob", ref_wiring, ref_extra)
+        # A fraction of a CPU: a stage actor holding a whole CPU can deadlock a small machine.
+        ref_options = {"num_cpus": 0.5, "compute": ActorPoolStrategy(size=1)}
+        stages.append(Stage("ref_logprob", ref_cls, ref_kwargs, ref_options))
+    # Task stages, fused by Ray Data into the split stage's actors (equal resources): one call per block. The split
+    # stage is an actor, not a task: the per-token tables it puts in the object store live as long as the process
+    # that put them (stages/handoff.py).
+    stages += [Stage(type(s).__name__, s, options={"num_cpus": SPLIT_CPUS}) for s in scoring]
+    split = {
+        "num_cpus": SPLIT_CPUS,
+        "resources": inputs.where.rollout_resources(),  # beside the engines
+        "compute": ActorPoolStrategy(size=split_actors(cfg)),  # fixed: see split_actors
+    }
+    return [*stages, Stage("split", SplitTokens, {"tables": inputs.tables}, split)]
+
+
+def _gate(inputs: StreamInputs) -> Stage:
     clock_name, namespace = inputs.clock
-    model_dir, run_dir, where = inputs.model_dir, inputs.run_dir, inputs.where
-    gate = Stage(
-        "gate",
-        StalenessGate,
-        {"clock_name": clock_name, "namespace": namespace},
-        {
-            "num_cpus": 0.1,
-            "resources": where.head_resources(),  # beside the clock it calls for every block
-            # Not restarted: a retried call would ask the clock again for prompts it already admitted. A dead gate
-            # ends the run (resume it); and Ray then has no restart to warn about.
-            "max_restarts": 0,
-            # Two calls queued at the one gate actor, which runs them one at a time and in order: the next block
-            # waits at the actor instead of in the next round of Ray Data's scheduling loop.
-            "compute": ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2),
-        },
-    )
-    gen_cls, gen_kwargs = generate_stage(cfg, model_dir, inputs.clock, inputs.version)
+    options = {
+        "num_cpus": 0.1,
+        "resources": inputs.where.head_resources(),  # beside the clock it calls for every block
+        # Not restarted: a retried call would ask the clock again for prompts it already admitted. A dead gate ends
+        # the run (resume it); and Ray then has no restart to warn about.
+        "max_restarts": 0,
+        # Two calls queued at the one gate actor, which runs them one at a time and in order: the next block waits
+        # at the actor instead of in the next round of Ray Data's scheduling loop.
+        "compute": ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2),
+    }
+    return Stage("gate", StalenessGate, {"clock_name": clock_name, "namespace": namespace}, options)
+
+
+def _engine_options(cfg: RunConfig, inputs: StreamInputs) -> dict[str, Any]:
     ro = cfg.rollout
-    engine = {
+    return {
         "num_cpus": 1,
         "num_gpus": engine_gpus(cfg, inputs.cluster_gpus),
-        "resources": where.rollout_resources(),
+        "resources": inputs.where.rollout_resources(),
         # Ray restarts a replica whose process died and retries its calls there (Ray Data's default, -1: the clock
         # enforces rollout.engine_max_restarts); 0 makes a dead replica end the run.
         "max_restarts": -1 if ro.engine_max_restarts > 0 else 0,
@@ -237,30 +263,6 @@ def stream_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
             max_concurrent_calls_per_actor=ro.calls_in_flight,
         ),
     }
-    reward_cls, reward_kwargs = reward_stage(cfg)
-    adv_cls, adv_kwargs = advantage_stage(cfg)
-    scoring = [reward_cls(**reward_kwargs), adv_cls(**adv_kwargs), SampleLog(f"{run_dir}/samples")]
-    if cfg.scores_in_engine():  # one hop fewer: the engine's actor scores, logs and splits
-        generate = {"generate": (gen_cls, gen_kwargs), "scoring": scoring, "owners": inputs.owners}
-        return [gate, Stage("generate", ScoredGenerate, generate, engine)]
-    stages = [gate, Stage("generate", gen_cls, gen_kwargs, engine)]
-    if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
-        ref_cls, ref_extra = stage_class(cfg.stages.ref_logprob, "stages.ref_logprob")
-        ref_wiring = {"model_dir": reference_model_dir(cfg, model_dir, run_dir)}
-        ref_kwargs = bind(ref_cls, "stages.ref_logprob", ref_wiring, ref_extra)
-        # A fraction of a CPU: a stage actor holding a whole CPU can deadlock a small machine.
-        ref_options = {"num_cpus": 0.5, "compute": ActorPoolStrategy(size=1)}
-        stages.append(Stage("ref_logprob", ref_cls, ref_kwargs, ref_options))
-    # Task stages, fused by Ray Data into the split stage's actors (equal resources): one call per block. The split
-    # stage is an actor, not a task: the per-token tables it puts in the object store live as long as the process
-    # that put them (stages/handoff.py).
-    stages += [Stage(type(s).__name__, s, options={"num_cpus": SPLIT_CPUS}) for s in scoring]
-    split = {
-        "num_cpus": SPLIT_CPUS,
-        "resources": where.rollout_resources(),  # beside the engines
-        "compute": ActorPoolStrategy(size=split_actors(cfg)),  # fixed: see split_actors
-    }
-    return [*stages, Stage("split", SplitTokens, {"tables": inputs.tables}, split)]
 
 
 @ray_internals.restarts_by_keyword()
