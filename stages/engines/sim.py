@@ -30,8 +30,10 @@ from stages.transports import GroupAddress
 class SimEngine:
     name = "simulated"
 
-    def __init__(self, work: Workload) -> None:
-        self.work, self.scale = work, work.time_scale
+    def __init__(self, work: Workload, interruptible: bool = True) -> None:
+        """`interruptible`: the replica pauses in abort or keep mode, so a decode must be able to stop midway; in
+        wait mode it runs to its end, and sleeps for it."""
+        self.work, self.scale, self.interruptible = work, work.time_scale, interruptible
 
     async def start(self, version: int) -> None:
         # Created on the engine's loop: asyncio primitives belong to the loop that uses them.
@@ -127,7 +129,10 @@ class SimEngine:
         per_token = self.work.token_unit * self.work.decode_s_per_token * self.scale
         t0 = time.monotonic()
         try:
-            try:  # a wait-mode pause never sets the interrupt: the request runs to its end
+            if not self.interruptible:  # a wait-mode pause waits for the whole request
+                await asyncio.sleep(remaining * per_token)
+                return version, remaining
+            try:
                 await asyncio.wait_for(self.interrupt.wait(), remaining * per_token)
             except TimeoutError:
                 return version, remaining

@@ -35,7 +35,7 @@ class SimGenerate:
         initial_version: int = 0,
     ) -> None:
         mode = PauseMode.of(pause_mode)
-        engine = SimEngine(Workload(**sim))
+        engine = SimEngine(Workload(**sim), interruptible=mode != PauseMode.WAIT)
         sampler = SimSampler(engine, max_tokens)
         clock = ClockLink(clock_name, namespace)
         self.replica = Replica(

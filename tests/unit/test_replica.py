@@ -237,7 +237,7 @@ def make(monkeypatch):
             )
         else:  # a response decodes for about a second: long enough for a sync to land in it
             work = Workload(time_scale=0.2, length_mean=LENGTH, decode_s_per_token=1.0, slots=64)
-            engine, tokenizer = FailingLoads(SimEngine(work)), None
+            engine, tokenizer = FailingLoads(SimEngine(work, interruptible=mode != PauseMode.WAIT)), None
             sampler = SimSampler(engine, LENGTH)
         exits: list[int] = []
         replica = Replica(clock, lambda _: engine, sampler, 2, Sampling(), mode, 0, tokenizer, exit=exits.append)
