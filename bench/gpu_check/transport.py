@@ -1,7 +1,7 @@
 """The weight push from a trainer to a receiver in another process: CUDA IPC on one GPU, gloo on CPU.
 
 Both ends are the run's code: the sender is a TorchTrainer's weight sync (`open_weight_sync`, `push_weights`), the
-receiver an engine worker's WeightReceiver (`init_weight_group`, `receive_weights`, stages/vllm_worker.py) with
+receiver an engine worker's WeightReceiver (`init_weight_group`, `receive_weights`, stages/engines/vllm_worker.py) with
 vLLM's model runner replaced by `LoadsIntoModel`, which copies each received tensor into an HF model it loaded from
 the same directory (the engine's weights before the push). The trainer takes one step (every tensor moves), writes
 its weights to a safetensors file (`publish_weights`: the values the receiver must end up with), and pushes. The
@@ -28,6 +28,7 @@ import torch
 
 from bench.gpu_check.models import batch, build_dense
 from bench.gpu_check.report import Meter, Record, device_name, save
+from stages.transports import GroupAddress, WeightMeta
 
 PUSHES = 3  # the first is checked, the others timed
 
@@ -51,19 +52,21 @@ class LoadsIntoModel:
         return self.model
 
 
-def receive(info: dict, meta: dict, model_dir: str, device: str, expected: str, runner_cls: type, queue) -> None:
+def receive(
+    info: GroupAddress, meta: WeightMeta, model_dir: str, device: str, expected: str, runner_cls: type, queue
+) -> None:
     """The receiver's process: join the trainer's group, take PUSHES pushes, check the first against `expected`."""
     from safetensors.torch import load_file
 
-    from stages.vllm_worker import WeightReceiver
+    from stages.engines.vllm_worker import WeightReceiver
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     receiver = WeightReceiver()
     receiver.model_runner, receiver.rank = runner_cls(model_dir, device), 0
     start = {n: p.detach().cpu().clone() for n, p in receiver.model_runner.get_model().named_parameters()}
-    receiver.init_weight_group(info["host"], info["port"], 1, 2, info["backend"], info["connect_timeout_s"])
-    args = (meta["names"], meta["shapes"], meta["dtypes"])
+    receiver.init_weight_group(info.host, info.port, 1, 2, info.backend, info.connect_timeout_s)
+    args = (list(meta.names), [list(s) for s in meta.shapes], list(meta.dtypes))
     receiver.receive_weights(*args)
     want = load_file(expected)
     held = {n: p.detach().cpu() for n, p in receiver.model_runner.get_model().named_parameters()}

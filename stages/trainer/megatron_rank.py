@@ -13,7 +13,7 @@ The model is built from an HF directory's config.json (Llama/Qwen2: RMSNorm, Swi
 GQA, qkv bias for Qwen2) with megatron-core's local layer spec, and its weights are the HF safetensors sharded for
 this rank (stages/trainer/megatron_convert.py), so training starts from exactly the weights the engines serve.
 
-On CPU megatron-core trains with three shims (DESIGN.md §4): `torch.cuda.current_device` answers "cpu", an RNG
+On CPU megatron-core trains with three shims (`_cpu_shims`): `torch.cuda.current_device` answers "cpu", an RNG
 tracker that does not fork CUDA states, and an explicit bool causal mask. Its optimizer hard-codes CUDA, so the
 update is written by hand: `finish_grad_sync`, `main_grad` -> `grad`, a TP- and PP-aware grad-norm clip, torch
 AdamW. At PP = 1 the micro-batches' forward/backward are a plain loop; at PP > 1 megatron's own schedule drives

@@ -27,9 +27,8 @@ import contextlib
 import math
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import fsspec
 import numpy as np
@@ -46,10 +45,11 @@ from stages.trainer.precision import MixedPrecision, autocast, compute_dtype, pi
 from stages.trainer.ranks import node_address
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs, pad_rows
-from stages.trainer.weight_sync import make_weight_sync
+from stages.trainer.weight_sync import SendsWeights
+from stages.transports import WeightMeta, make_sender
 
 
-class TorchTrainer:
+class TorchTrainer(SendsWeights):
     def __init__(
         self,
         model_dir: str,
@@ -98,7 +98,7 @@ class TorchTrainer:
             raise ValueError("rollout correction compares proximal and behaviour logprobs: set compute_prox_log_prob")
         self.pad = self.model.config.pad_token_id or 0
         self.replay = HFRouterReplay(self.model) if self.policy.router_replay.active else None
-        self.sync = make_weight_sync(weight_sync_backend, node_address())
+        self.sender = make_sender(weight_sync_backend, node_address())
 
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
@@ -259,30 +259,11 @@ class TorchTrainer:
         """A non-zero rank's part of an export: take part in every gather, keep nothing."""
         return sum(1 for _ in self.export(tied_head))
 
-    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
-        return self.sync.open(world_size, connect_timeout_s)
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.export()
 
-    def wait_weight_sync(self) -> None:
-        self.sync.wait_open()
-
-    def weight_meta(self) -> dict[str, list]:
-        weights = self._named_weights()
-        return {
-            "names": [n for n, _ in weights],
-            "shapes": [list(t.shape) for _, t in weights],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in weights],
-        }
-
-    @torch.no_grad()
-    def push_weights(self) -> dict[str, float]:
-        start = time.monotonic()
-        sent = self.sync.push(t for _, t in self.export())
-        return {"sync/bytes": float(sent), "sync/broadcast_s": time.monotonic() - start}
-
-    @torch.no_grad()
-    def publish_weights(self, url: str) -> dict[str, float]:
-        """Pull mode: write the weights as one safetensors file at `url` (any fsspec URL) for the engines to load."""
-        return publish(self.export(), url)
+    def weight_meta(self) -> WeightMeta:
+        return WeightMeta.of(self._named_weights())  # a sharded parameter's shape is its full shape
 
     @torch.no_grad()
     def set_weight(self, name: str, value: float) -> None:
@@ -309,27 +290,6 @@ def correct_minibatches(
         shares.append((step.masks[share], None if w is None else pad_rows(w, max(map(len, w), default=0))))
         start = share.stop
     return shares, step.metrics
-
-
-def publish(tensors: Iterable[tuple[str, torch.Tensor]], url: str) -> dict[str, float]:
-    """HF-named tensors as one safetensors file at `url` (any fsspec URL); returns sync/* metrics."""
-    from safetensors.torch import save
-
-    start = time.monotonic()
-    # safetensors writes one header for all tensors, so the file needs them all at once, on CPU; it refuses two
-    # names on one storage, so a tied head is written as a copy of the embedding.
-    named, storages = {}, set()
-    for name, t in tensors:
-        t = t.detach().cpu().contiguous()
-        storage = t.untyped_storage().data_ptr()
-        named[name] = t.clone() if storage in storages else t
-        storages.add(storage)
-    blob = save(named)
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "wb") as f:
-        f.write(blob)
-    return {"sync/bytes": float(len(blob)), "sync/publish_s": time.monotonic() - start}
 
 
 def copy_side_files(model_dir: Path, out: Path) -> None:

@@ -10,7 +10,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.config.checks import check_engine_heads
 from pipeline.config.placement import HEAD, check, engine_gpus, layout, resolve
 from pipeline.sync import group_ranks, make_syncer
-from stages.vllm_engine import CPU_BINDING, cpu_binding, parallel_args
+from stages.engines.vllm import CPU_BINDING, cpu_binding, parallel_args
 
 KEY = "rollout.tensor_model_parallel_size"
 
