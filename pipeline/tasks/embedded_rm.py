@@ -9,8 +9,9 @@ letter that should come next, which is what judging an answer needs.
 Trained on the last token alone (the score the stage reads), two layers learn slowly: a score at the end has to sum up
 a comparison made all along the response. So the score head is trained at every response token, on the rule score of
 the response cut there (the last token's target is the whole response's score), a dense target from the same rule.
-Measured on 2 shared cores: 800 steps of 32 responses ordered 0.76 of held-out pairs of answers to one prompt as the
-rule orders them, against 0.64-0.67 for 400-1500 steps on the last token alone (held_out_fit).
+Measured on 2 shared cores (seed 0, tests/pipeline/test_rewards.py's fixture, 2026-11-25): 800 steps of 32 responses
+in 97 s order 0.87 of held-out pairs of answers to one prompt as the rule orders them (mean absolute error 0.14),
+against 0.64-0.67 for 400-1500 steps on the last token alone (held_out_fit).
 
 The responses look like the warm-started policy's samples: right answers, right prefixes that derail into other
 letters, answers cut short or run on, other letters, and any of these with stray tokens of the vocabulary in them
