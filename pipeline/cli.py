@@ -99,9 +99,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _audit(run_dir: str) -> int:
-    from pipeline.observe.audit import audit
+    from pipeline.observe.audit import RunDirError, audit
 
-    report = audit(run_dir)
+    try:
+        report = audit(run_dir)
+    except RunDirError as err:
+        print(f"asyncrl: cannot audit: {err}", file=sys.stderr)
+        return 2
     print(report.table())
     print(f"audit: {'PASS' if report.ok else 'FAIL'}")
     return 0 if report.ok else 1

@@ -80,10 +80,16 @@ class FakeEngine:
         self.version, self.requests, self.emitted = 0, [], 0
         self.running = asyncio.Event()
         self.running.set()
+        self.waiting = asyncio.Event()  # set once a request or an agent loop waits for a sync to end
         self.abort_after: int | None = None
 
+    async def _until_running(self) -> None:
+        if not self.running.is_set():
+            self.waiting.set()
+        await self.running.wait()
+
     async def segment(self, context, max_tokens, request_id):
-        await self.running.wait()  # a paused engine queues the request
+        await self._until_running()  # a paused engine queues the request
         self.requests.append((request_id, len(context), max_tokens))
         turn = self.turns[0]
         want = min(max_tokens, self.abort_after if self.abort_after is not None else len(turn))
@@ -106,7 +112,7 @@ class FakeEngine:
     async def wait_running(self):
         if self.running.is_set():
             return False
-        await self.running.wait()
+        await self._until_running()
         return True
 
     def sync(self):
@@ -128,7 +134,7 @@ def test_single_turn_resumes_an_aborted_request_with_the_new_weights():
     async def go():
         loop = SingleTurnAgentLoop(engine, max_tokens=64)
         task = asyncio.create_task(loop.run([1, 2, 3], "p/0"))
-        await asyncio.sleep(0.01)  # first segment: 5 tokens at version 0, then the sync aborts it
+        await engine.waiting.wait()  # first segment: 5 tokens at version 0, then the sync aborts it
         assert not engine.running.is_set() and len(engine.requests) == 1  # the resubmitted request waits
         engine.resume()
         return await task
@@ -191,7 +197,7 @@ def test_tool_agent_pauses_while_a_tool_runs_and_resumes_with_the_new_weights():
         await tool.started.wait()  # PROCESSING_TOOLS: the tool is running
         engine.sync()  # a sync starts: it does not wait for the tool
         tool.release.set()  # the tool finishes during the sync
-        await asyncio.sleep(0.01)
+        await engine.waiting.wait()
         assert not task.done() and len(engine.requests) == 1  # the loop waits for the sync to end
         engine.resume()
         return await task
@@ -211,7 +217,7 @@ def test_tool_agent_pauses_in_generating_and_resumes_the_partial_turn():
 
     async def go():
         task = asyncio.create_task(tool_loop(engine, {"calculator": calculator}).run([5], "p/0"))
-        await asyncio.sleep(0.01)  # 10 tokens of the call at version 0, then the sync aborts the request
+        await engine.waiting.wait()  # 10 tokens of the call at version 0, then the sync aborts the request
         assert not engine.running.is_set() and len(engine.requests) == 1
         engine.resume()
         return await task
@@ -281,10 +287,10 @@ def test_the_loss_ignores_masked_tool_tokens():
 def test_the_audit_checks_that_per_token_columns_line_up():
     import pyarrow as pa
 
-    from pipeline.observe.audit import _per_token_columns
+    from pipeline.observe.audit_tokens import per_token_columns
 
-    good = {"num_tokens": 3, "response_ids": [1, 2, 3], "response_logprobs": [-0.1, 0.0, -0.2]}
+    good = {"sample_id": "p/0", "num_tokens": 3, "response_ids": [1, 2, 3], "response_logprobs": [-0.1, 0.0, -0.2]}
     good |= {"token_param_version": [0, 1, 1], "response_mask": [1, 0, 1]}
-    assert _per_token_columns(pa.Table.from_pylist([good])).ok
+    assert per_token_columns(pa.Table.from_pylist([good])).ok
     for bad in ({**good, "response_logprobs": [-0.1, -0.3, -0.2]}, {**good, "response_mask": [1, 0]}):
-        assert not _per_token_columns(pa.Table.from_pylist([good, bad])).ok
+        assert not per_token_columns(pa.Table.from_pylist([good, bad])).ok
