@@ -24,11 +24,14 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(VENV)/bin/asyncrl run $(ARGS)
 
+# The whole suite: unit and CLI tests first, then the multi-process and stream tests (tests/conftest.py orders them and
+# sets each folder's timeout). pytest's cache is on: `make test ARGS=--lf` reruns what failed last time.
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q $(ARGS) tests
 
+# The unit and CLI tests: no Ray session of the suite's, no engine; a few minutes on 2 cores.
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PY) -m pytest -q $(ARGS) tests/unit tests/cli
 
 # The benchmarks of docs/benchmarks.md, one after the other (about 50 minutes on 2 cores); each prints its table last.
 bench: install

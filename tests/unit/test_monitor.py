@@ -158,6 +158,7 @@ def start_server(tmp_path: Path, attempts: int = 3) -> tuple[subprocess.Popen, s
     pytest.fail(f"no free port for an mlflow server in {attempts} attempts")
 
 
+@pytest.mark.timeout(300)  # the server's start: seconds on an idle machine, minutes on a loaded one
 def test_against_a_real_mlflow_server(tmp_path):
     server, uri = start_server(tmp_path)
     try:
