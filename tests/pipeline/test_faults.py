@@ -116,6 +116,7 @@ class Run:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # three starts of the run (Ray and two engines each) and two engine restarts
 def test_a_replica_an_engine_the_trainer_and_the_driver_die_and_nothing_is_lost(tmp_path):
     job = ["rollout.num_replicas=2", "trainer.save_freq=8"]
     first = Run(tmp_path, "faults", f"rollout.total_rollout_steps={10_000 * PER_STEP}", *job)  # never ends by itself

@@ -130,6 +130,7 @@ def run_job(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # four nodes' start-up, then the job (up to 1500 s)
 def test_a_job_on_a_multi_node_cluster_places_its_actors_and_passes_its_audit(tmp_path):
     cluster_dir = Path(tempfile.mkdtemp(prefix="arp-", dir="/tmp"))  # short: socket paths fit in 107 bytes
     procs: dict[int, psutil.Process] = {}
