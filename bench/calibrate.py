@@ -1,6 +1,6 @@
 """Fit the simulated workload to one of verl's published tables; prints the numbers of its conf/sim/ preset.
 
-Two tables from the fully_async_policy README (seed 001), each colocated sync against fully async on the same GPUs:
+Two tables from verl's fully_async_policy README, each colocated sync against fully async on the same GPUs:
 
 - `7b` (conf/sim/verl_7b_128gpu.yaml), Qwen2.5-Math-7B on 128 GPUs, per step of 512 prompts x 16 responses (max
   28K tokens): colocated gen 177.85 s, old_log_prob 53.92 s + update_actor 113.81 s, step 356.30 s; fully async

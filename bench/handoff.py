@@ -1,7 +1,7 @@
 """Bytes that cross the driver per step: the stream consumed whole (Ray Data's iter_batches, as before) against the
 hand-off (stages/handoff.py: light columns to the driver, per-token columns from the object store to the trainer).
 
-One synthetic step shaped like the seed's at a smaller scale (`--responses` of `--mean-tokens` tokens on average,
+One synthetic step shaped like verl's 7B table's at a smaller scale (`--responses` of `--mean-tokens` tokens on average,
 with logprobs, token versions, mask, advantages and text), in blocks of one group, on a local Ray. Both ways run in
 this one process, side by side; the figure printed per way is the Arrow bytes the driver received, and the ratio.
 
@@ -21,7 +21,7 @@ import ray
 from schemas import SAMPLE_SCHEMA
 from stages.handoff import ByReference, SplitTokens, TokenTables
 
-GROUP = 16  # responses per prompt (the seed's n)
+GROUP = 16  # responses per prompt (verl's 7B run's n)
 
 
 def _block(pid: int, mean_tokens: int, rng) -> pa.Table:

@@ -9,8 +9,8 @@ the last `--skip` (the end-of-run drain, when the gate has nothing left to admit
 windows of `--window` steps, a mode's the mean of its runs, and the table gives the spread over runs and over all
 windows. Ratios are against the synchronous on-policy pipeline: on one machine whose cores the engine and the
 trainer share, it is what colocated synchronous training is (each side waits while the other works), the baseline
-of seed 001's 1.55-1.60x on 32 GPUs. The simulated multi-turn workload fitted to that table is
-`python -m bench.modes --table retool`.
+of verl's 1.55-1.60x on 32 GPUs (its fully_async_policy README). The simulated multi-turn workload fitted to that
+table is `python -m bench.modes --table retool`.
 
     python -m bench.multi_turn                                  # about 11 minutes on 2 cores
     python -m bench.multi_turn --repeats 3 --modes sync,partial  # about 19 minutes
@@ -32,7 +32,7 @@ import pyarrow.dataset as pds
 from bench.smoke import SIM_TOY, TINY
 from pipeline.config import CONF_DIR, load_config
 
-# The seed's ReTool run syncs every 4 steps with staleness 1 (as conf/sim/verl_retool_32gpu.yaml): every mode starts
+# verl's ReTool run syncs every 4 steps with staleness 1 (as conf/sim/verl_retool_32gpu.yaml): every mode starts
 # from that, and each sets what verl's four configurations set on top.
 SEED_SETTINGS = ["async_training.staleness_threshold=1.0", "async_training.trigger_parameter_sync_step=4"]
 MODES = {  # --modes key: (the table's name, overrides)
@@ -48,7 +48,7 @@ MODES = {  # --modes key: (the table's name, overrides)
     "stale": ("async stale samples", ["async_training.partial_rollout=false"]),
     "partial": ("async + partial rollout", ["async_training.partial_rollout=true"]),
 }
-SEED_001 = "1.55-1.60x"  # verl's multi-turn tool-calling speedup over colocated sync (seeds/README.md)
+VERL_RETOOL = "1.55-1.60x"  # verl's multi-turn tool-calling speedup over colocated sync (its fully_async_policy README)
 
 
 def steady_windows(elapsed: list[float], skip: int, window: int) -> list[float]:
@@ -161,7 +161,7 @@ def print_table(modes: dict[str, dict], args: argparse.Namespace, steps: int) ->
             f"{base / m['s_per_step']:>5.2f}x {m['tools']:>6.2f} {m['reward'][0]:>8.2f} / {m['reward'][1]:<7.2f} "
             f"{m['idle'][0]:>12.2f} {m['idle'][1]:>11.2f} {'PASS' if m['audit_ok'] else 'FAIL':>5}"
         )
-    print(f"seed 001 (verl, 32 GPUs, against colocated sync): {SEED_001}")
+    print(f"verl's ReTool table (32 GPUs, against colocated sync): {VERL_RETOOL}")
 
 
 if __name__ == "__main__":
