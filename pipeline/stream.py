@@ -29,6 +29,7 @@ from pipeline.config import ConfigError, RunConfig, check_signature, import_targ
 from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, split_actors
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
+from pipeline.config.targets import advantage_provided
 from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
 from pipeline.tasks.source import PromptDataError
 from stages.advantage import ESTIMATORS, whiten_step
@@ -108,15 +109,7 @@ def advantage_stage(cfg: RunConfig) -> tuple[type, dict]:
     names one (a user's own estimator wins)."""
     alg = cfg.algorithm
     spec = {"_target_": ESTIMATORS[alg.adv_estimator], **cfg.stages.advantage}
-    provided = {
-        "group_size": cfg.rollout.n,
-        "norm_by_std": alg.norm_adv_by_std_in_grpo,
-        "gamma": alg.gamma,
-        "kl_in_reward": alg.use_kl_in_reward,
-        "kl_coef": alg.kl_ctrl.kl_coef,
-        "kl_penalty": alg.kl_penalty,
-    }
-    cls, kwargs = _construct(spec, "stages.advantage", provided)
+    cls, kwargs = _construct(spec, "stages.advantage", advantage_provided(cfg))
     if alg.use_kl_in_reward and "kl_in_reward" not in kwargs:
         raise ConfigError(
             f"algorithm.use_kl_in_reward needs an advantage stage that takes `kl_in_reward`; {spec['_target_']} "

@@ -52,3 +52,17 @@ def check_signature(cls: type, kwargs: dict[str, Any], key: str, provided: set[s
             raise ConfigError(f"config key '{key}.{name}' is not a parameter of {cls.__name__}.{hint}")
         if name in provided:
             raise ConfigError(f"config key '{key}.{name}' is set by the wiring from the top-level config.")
+
+
+def advantage_provided(cfg) -> dict[str, Any]:
+    """What the wiring gives an advantage stage from the top-level config (a RunConfig, or a run's config.yaml as
+    read back): the group size and verl's algorithm keys. The stage takes those its constructor names."""
+    alg = cfg.algorithm
+    return {
+        "group_size": cfg.rollout.n,
+        "norm_by_std": alg.norm_adv_by_std_in_grpo,
+        "gamma": alg.gamma,
+        "kl_in_reward": alg.use_kl_in_reward,
+        "kl_coef": alg.kl_ctrl.kl_coef,
+        "kl_penalty": alg.kl_penalty,
+    }

@@ -18,7 +18,7 @@ import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError
-from pipeline.config.targets import import_target, stage_kwargs
+from pipeline.config.targets import advantage_provided, import_target, stage_kwargs
 from pipeline.observe.audit_check import Check, examples
 from stages.advantage import ESTIMATORS
 
@@ -33,14 +33,7 @@ def estimator(cfg: DictConfig):
     spec = {"_target_": ESTIMATORS.get(alg.adv_estimator, ""), **OmegaConf.to_container(cfg.stages.advantage)}
     target, extra = stage_kwargs(spec, "stages.advantage")
     cls = import_target(target, "stages.advantage")
-    provided = {
-        "group_size": cfg.rollout.n,
-        "norm_by_std": alg.norm_adv_by_std_in_grpo,
-        "gamma": alg.gamma,
-        "kl_in_reward": alg.use_kl_in_reward,
-        "kl_coef": alg.kl_ctrl.kl_coef,
-        "kl_penalty": alg.kl_penalty,
-    }
+    provided = advantage_provided(cfg)
     params = inspect.signature(cls.__init__).parameters
     return cls(**{k: v for k, v in provided.items() if k in params}, **extra)
 

@@ -14,6 +14,8 @@ import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import pytest
 
+from tests.pipeline.test_validation import SHORT
+
 SIM_CONFIG = str(Path(__file__).resolve().parents[2] / "conf" / "sim" / "toy.yaml")
 
 
@@ -26,15 +28,8 @@ def test_two_vllm_replicas_pull_and_a_dedicated_engine_validates(run_job):
     summary, run_dir = run_job(
         "weight_sync.mode=pull",
         "rollout.num_replicas=2",
-        "rollout.total_rollout_steps=128",  # 16 steps of 8 prompts
-        "model.warm_start_steps=100",
-        "data.val_files=embedded",
-        "data.num_embedded_val_prompts=16",
-        "rollout.test_freq=8",
-        "trainer.val_before_train=true",
-        "rollout.val_kwargs.n=2",
+        *SHORT,  # 16 steps of 8 prompts, validated before the first step and at versions 8 and 16
         "async_training.use_trainer_do_validate=true",
-        "trainer.monitor=jsonl",
         name="pulled",
     )
     assert summary["audit_ok"] and summary["steps"] == 16, (run_dir / "audit.txt").read_text()
