@@ -25,7 +25,7 @@ def pytest_configure(config):
 # The folders in the order they run: the quick ones first, so that a typo surfaces in a minute, not after the
 # stream's tests; and each folder's per-test timeout (pytest-timeout), what its slowest test needs on a loaded 2-core
 # machine with room to spare. A test that needs more says so with its own @pytest.mark.timeout.
-FOLDERS = {"unit": 120, "cli": 300, "distributed": 600, "pipeline": 900, "gpu": 900}
+FOLDERS = {"unit": 300, "cli": 300, "distributed": 600, "pipeline": 900, "gpu": 900}
 
 
 def _folder(item) -> str:
