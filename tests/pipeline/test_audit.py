@@ -104,6 +104,14 @@ def token_advantage_off_by_1e3(logs: Logs) -> str:
     return sample["sample_id"]
 
 
+def reward_changed_after_scoring(logs: Logs) -> str:
+    """One sample's reward raised by 1 after its group's advantages were computed: the group's logged advantages
+    (zero or not) are no longer what GRPO makes of its rewards."""
+    sample = logs.sample(logs.consumed[7]["sample_id"])
+    sample["reward"] += 1.0
+    return sample["prompt_id"] + "/"
+
+
 def window_over_the_budget(logs: Logs) -> str:
     """The ledger admits one prompt more at version 0 than verl's budget allows (in flight at the end, never
     generated: a prompt the gate should not have let in)."""
@@ -167,6 +175,7 @@ MUTATIONS = {
     token_older_than_admission: "no token older than its admission",
     advantage_off_by_1e3: "advantages recomputed from the rewards",
     token_advantage_off_by_1e3: "advantages recomputed from the rewards",
+    reward_changed_after_scoring: "advantages recomputed from the rewards",
     window_over_the_budget: "admissions per version within verl's budget",
     metrics_reward_off_by_half: "metrics.jsonl agrees with the logs",
     metrics_step_missing: "metrics.jsonl agrees with the logs",
