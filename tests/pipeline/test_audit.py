@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import pytest
+from omegaconf import OmegaConf
 
 from pipeline.observe.audit import audit
 from schemas import ADMITTED_SCHEMA, CONSUMED_SCHEMA, SAMPLE_SCHEMA
@@ -115,7 +116,7 @@ def reward_changed_after_scoring(logs: Logs) -> str:
 def window_over_the_budget(logs: Logs) -> str:
     """The ledger admits one prompt more at version 0 than verl's budget allows (in flight at the end, never
     generated: a prompt the gate should not have let in)."""
-    budget = StalenessBudget(0.5, 1, 1, 4)  # the shared run's
+    budget = StalenessBudget.from_config(OmegaConf.create(logs.config))
     at_zero = sum(a["admitted_version"] == 0 for a in logs.admitted)
     time = logs.admitted[0]["admitted_time"]
     logs.admitted += [
@@ -193,7 +194,7 @@ def test_the_run_as_it_left_its_logs_passes_every_check(logs, tmp_path):
     assert report.ok, report.table()
     assert {c.name for c in report.checks} >= set(MUTATIONS.values())
     assert not [c.name for c in report.checks if c.skipped], report.table()  # every rule applied to this run
-    assert report.max_lag == report.lag_bound == 1
+    assert report.max_lag <= report.lag_bound == 1  # the corruptions below take it to 2
     assert Counter(c["prompt_id"] for c in logs.consumed).most_common(1)[0][1] == 4  # groups of 4, as named
 
 
