@@ -207,3 +207,18 @@ def test_each_corruption_fails_its_rule_naming_the_sample(logs, tmp_path, mutate
     assert not report.ok and not check.ok, report.table()
     assert offender in check.detail, check.detail
     assert f"{check.name}  FAIL" in report.table()
+
+
+@pytest.mark.slow
+def test_check_mode_passes_the_run_and_fails_its_corruptions(partial_run, logs, tmp_path):
+    """test_modes.check_mode, what each of verl's modes must show, on the same logs: the shared run is async with
+    partial rollout (s = 0.5, a sync every step, 34 prompts at 4 per step, 4 responses each)."""
+    from tests.pipeline.test_modes import check_mode
+
+    summary, run_dir = partial_run
+    check_mode(summary, run_dir, s=0.5, k=1, prompts=34, per_step=4, n=4)
+    for mutate in (prompt_trained_twice, lag_over_the_bound, consumed_without_admission):
+        broken = copy.deepcopy(logs)
+        mutate(broken)
+        with pytest.raises(AssertionError):
+            check_mode(summary, broken.write(tmp_path / mutate.__name__), s=0.5, k=1, prompts=34, per_step=4, n=4)
