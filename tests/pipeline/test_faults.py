@@ -154,13 +154,17 @@ def test_a_replica_an_engine_the_trainer_and_the_driver_die_and_nothing_is_lost(
     steps = max(ckpt2 + 8, 32)
     second = Run(tmp_path, "faults", f"rollout.total_rollout_steps={steps * PER_STEP}", *job, "resume=true")
     second.finish()
-    run_dir = second.dir
+    check_faulted_run(second.dir, first.out.read_text(), ckpt, ckpt2, steps)
 
+
+def check_faulted_run(run_dir: Path, first_output: str, ckpt: int, ckpt2: int, steps: int) -> None:
+    """The fault log and counters, both rewinds, exactly-once training, the audit and learning, from the logs of the
+    run whose first command restarted its trainer from `ckpt` and lost its driver after `ckpt2`."""
     events = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
     assert [e["component"] for e in events] == ["generate replica 0", "generate replica 1", "trainer"]
     assert "actor process" in events[0]["cause"] and "vLLM engine died" in events[1]["cause"]
     assert "died" in events[2]["cause"] and events[2]["from_step"] == ckpt
-    assert f"restarting the run from its checkpoint at step {ckpt}" in first.out.read_text()
+    assert f"restarting the run from its checkpoint at step {ckpt}" in first_output
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # rewound twice: each step once
     assert metrics[ckpt - 1]["fault/engine_restarts"] == 2  # the first attempt's counters, at its checkpoint
