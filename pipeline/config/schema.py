@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from stages.sim.workload import Workload
+from stages.trainer.precision import DTypeName, MixedPrecision
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 
 MONITORS = ("mlflow", "jsonl", "null")
@@ -112,6 +113,9 @@ class MegatronConfig:
     The trainer has tensor_model_parallel_size x pipeline_model_parallel_size ranks."""
     export_bucket_mb: int = 64
     """Weights leave the trainer gathered across TP ranks in buckets of about this many MiB of local shards."""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """The model's dtype (verl's key): 'bfloat16' trains bf16 parameters with megatron's fp32 main weights and fp32
+    optimizer state (its distributed optimizer: a GPU only); null: bfloat16 on a GPU, float32 on CPU."""
 
 
 @dataclass
@@ -120,6 +124,11 @@ class FSDPConfig:
     """Data-parallel ranks of trainer.backend=torch (verl's key), each an FSDP2 shard of the model training its
     token-balanced share of every mini-batch; 1 is one process without sharding; -1 (verl's 'every trainer GPU')
     is trainer.n_gpus_per_node x trainer.nnodes."""
+    model_dtype: DTypeName = "fp32"
+    """Dtype the weights are loaded in, updated and kept in by AdamW (verl's key): fp32 master weights by default."""
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    """Dtype of the forward and backward and of the gradient reduction (verl's key; stages/trainer/precision.py):
+    param_dtype null is bf16 on a GPU and fp32 on CPU."""
 
 
 @dataclass
@@ -215,6 +224,8 @@ class RolloutConfig:
     enable_rollout_routing_replay: bool = False
     """MoE models: the engines return the experts their routers chose for every token (the `routed_experts` column),
     for the trainer to force the same routes (verl's rollout key of router replay R3)."""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """The engines' dtype (verl's key): null is bfloat16 on a GPU, float32 on CPU."""
     routed_experts_capture: Literal["auto", "hook", "native"] = "auto"
     """How the engines capture routes: 'native' is vLLM's enable_return_routed_experts (needs its Model Runner V2,
     so a GPU; unverified here), 'hook' a capture function on every router in the engine worker (runs anywhere; turns
@@ -331,7 +342,11 @@ class RayConfig:
     """GPUs each vLLM engine asks Ray for, on a cluster that has GPUs (a fraction shares one: 0.5 puts an engine
     and a trainer rank on one GPU)."""
     gpus_per_trainer_rank: float = 1.0
-    """GPUs each Megatron trainer rank asks Ray for, on a cluster that has GPUs."""
+    """GPUs each trainer rank (Megatron's, FSDP's, or the torch backend's one) asks Ray for, on a cluster that has
+    GPUs; it computes on that GPU."""
+    gpus_per_reference: float = 0.0
+    """GPUs the reference model's actor asks Ray for, on a cluster that has GPUs (a fraction shares one); 0 keeps
+    the reference model on the CPU. It computes on the GPU it is given, in bf16."""
     placement: Literal["auto", "required", "anywhere"] = "auto"
     """Where the actors go (pipeline/config/placement.py). 'auto': the trainer's ranks on nodes that have the
     custom resource `trainer_resource`, the engines on nodes that have `rollout_resource`, each only if the cluster

@@ -42,6 +42,28 @@ def stage_kwargs(spec: dict[str, Any], key: str) -> tuple[str, dict[str, Any]]:
     return spec["_target_"], kwargs
 
 
+def stage_class(spec: dict[str, Any], key: str) -> tuple[type, dict[str, Any]]:
+    """The class a stage spec names, imported, and the spec's own constructor keywords."""
+    target, extra = stage_kwargs(spec, key)
+    return import_target(target, key), extra
+
+
+def bind(cls: type, key: str, wiring: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`cls`'s constructor arguments: exactly what the stream gives this kind of stage (`wiring`) plus the spec's own
+    keywords, checked against the constructor now. A class that lacks one of them (a parameter renamed, say) or needs
+    one more is one ConfigError naming it, not a default taken in silence or an error inside a Ray actor."""
+    check_signature(cls, extra, key, provided=set(wiring))
+    kwargs = {**wiring, **extra}
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as err:
+        raise ConfigError(
+            f"{key}._target_ {cls.__module__}.{cls.__qualname__} does not take the arguments the stream gives it: "
+            f"{err}. It is built with {', '.join(sorted(kwargs))}."
+        ) from None
+    return kwargs
+
+
 def check_signature(cls: type, kwargs: dict[str, Any], key: str, provided: set[str] = frozenset()) -> None:
     """Fail with the nearest valid name when a configured keyword is not a constructor parameter."""
     params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
@@ -54,15 +76,18 @@ def check_signature(cls: type, kwargs: dict[str, Any], key: str, provided: set[s
             raise ConfigError(f"config key '{key}.{name}' is set by the wiring from the top-level config.")
 
 
-def advantage_provided(cfg) -> dict[str, Any]:
-    """What the wiring gives an advantage stage from the top-level config (a RunConfig, or a run's config.yaml as
-    read back): the group size and verl's algorithm keys. The stage takes those its constructor names."""
+def advantage_wiring(cfg, cls: type) -> dict[str, Any]:
+    """What the stream gives an advantage stage of class `cls` from the top-level config (a RunConfig, or a run's
+    config.yaml as read back by the audit): the group size to every estimator, the KL settings when the reward pays a
+    KL, GRPO its std switch, REINFORCE++ its discount."""
+    from stages.advantage import GRPOAdvantage, ReinforcePlusPlusAdvantage  # here: loading a config imports no stage
+
     alg = cfg.algorithm
-    return {
-        "group_size": cfg.rollout.n,
-        "norm_by_std": alg.norm_adv_by_std_in_grpo,
-        "gamma": alg.gamma,
-        "kl_in_reward": alg.use_kl_in_reward,
-        "kl_coef": alg.kl_ctrl.kl_coef,
-        "kl_penalty": alg.kl_penalty,
-    }
+    wiring: dict[str, Any] = {"group_size": cfg.rollout.n}
+    if alg.use_kl_in_reward:
+        wiring |= {"kl_in_reward": True, "kl_coef": alg.kl_ctrl.kl_coef, "kl_penalty": alg.kl_penalty}
+    if issubclass(cls, GRPOAdvantage):
+        wiring["norm_by_std"] = alg.norm_adv_by_std_in_grpo
+    if issubclass(cls, ReinforcePlusPlusAdvantage):
+        wiring["gamma"] = alg.gamma
+    return wiring

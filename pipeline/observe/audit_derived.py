@@ -8,7 +8,6 @@ changed after the fact, shows), while the estimators' formulas are proved agains
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import Counter, defaultdict
 from typing import Any
@@ -18,7 +17,7 @@ import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import ConfigError
-from pipeline.config.targets import advantage_provided, import_target, stage_kwargs
+from pipeline.config.targets import advantage_wiring, bind, stage_class
 from pipeline.observe.audit_check import Check, examples
 from stages.advantage import ESTIMATORS
 
@@ -31,11 +30,8 @@ def estimator(cfg: DictConfig):
     """The run's advantage stage, built from its config.yaml as the wiring builds it."""
     alg = cfg.algorithm
     spec = {"_target_": ESTIMATORS.get(alg.adv_estimator, ""), **OmegaConf.to_container(cfg.stages.advantage)}
-    target, extra = stage_kwargs(spec, "stages.advantage")
-    cls = import_target(target, "stages.advantage")
-    provided = advantage_provided(cfg)
-    params = inspect.signature(cls.__init__).parameters
-    return cls(**{k: v for k, v in provided.items() if k in params}, **extra)
+    cls, extra = stage_class(spec, "stages.advantage")
+    return cls(**bind(cls, "stages.advantage", advantage_wiring(cfg, cls), extra))
 
 
 def advantages_match(samples: pa.Table, cfg: DictConfig) -> Check:

@@ -44,7 +44,7 @@ def decoding(ray, engine) -> int:
     actor's process): a weight sync pushed now lands in the middle of responses."""
 
     def count(stage) -> int:
-        states = list(stage.engine.output_processor.request_states.values())
+        states = list(stage.replica.engine.llm.output_processor.request_states.values())
         return sum(not state.is_prefilling for state in states)
 
     return ray.get(engine.__ray_call__.remote(count))
