@@ -85,6 +85,7 @@ def validate(cfg: RunConfig) -> None:
     if "_target_" in cfg.stages.advantage:  # else algorithm.adv_estimator names the class
         stage_kwargs(cfg.stages.advantage, "stages.advantage")
     _check_custom_reward_function(cfg.custom_reward_function)
+    _check_policy_loss(cfg)
 
 
 def _reward_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
@@ -111,6 +112,20 @@ def _check_custom_reward_function(crf: CustomRewardFunctionConfig) -> None:
     try:
         check_score_signature(load_score_function(crf.path, crf.name), crf.name, crf.reward_kwargs, crf.path)
     except RewardFunctionError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_policy_loss(cfg: RunConfig) -> None:
+    """A loss of the user's own (actor.policy_loss.path) is loaded now, so that a missing file or name is one error
+    before anything starts (importing the registry imports torch: only when a path is given)."""
+    settings = cfg.actor.policy_loss
+    if not settings.path:
+        return
+    from stages.trainer.policy_loss import policy_loss_fn
+
+    try:
+        policy_loss_fn(settings)
+    except ValueError as err:
         raise ConfigError(str(err)) from None
 
 
@@ -162,14 +177,11 @@ def _routing_replay_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
 
 
 def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
-    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    from stages.trainer.settings import correction_mode_error
+
     recompute = cfg.async_training.compute_prox_log_prob or not cfg.async_training.use_rollout_log_probs
-    return [
-        (
-            not rc.active or recompute,
-            f"{key} compares trainer and engine logprobs: set async_training.compute_prox_log_prob=true",
-        ),
-    ]
+    error = correction_mode_error(cfg.algorithm.rollout_correction, recompute, cfg.actor.policy_loss.loss_mode)
+    return [(error is None, error or "")]
 
 
 def _fsdp_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
@@ -264,8 +276,4 @@ def _megatron_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
         (mg.tensor_model_parallel_size >= 1, f"{key}.tensor_model_parallel_size must be >= 1"),
         (mg.pipeline_model_parallel_size >= 1, f"{key}.pipeline_model_parallel_size must be >= 1"),
         (mg.export_bucket_mb >= 1, f"{key}.export_bucket_mb must be >= 1"),
-        (
-            cfg.trainer.backend != "megatron" or not cfg.algorithm.rollout_correction.active,
-            "algorithm.rollout_correction is not supported by trainer.backend=megatron: use trainer.backend=torch",
-        ),
     ]

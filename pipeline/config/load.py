@@ -28,6 +28,9 @@ VERL_ALIASES = {
     "actor.optim.weight_decay": "actor.weight_decay",
     "actor.optim.clip_grad": "actor.grad_clip",
     "actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
+    "actor.use_rollout_log_probs": "async_training.use_rollout_log_probs",
+    "actor.optim.lr_scheduler_type": "actor.optim.lr_decay_style",
+    "actor.optim.warmup_style": "actor.optim.lr_decay_style",
 }
 
 
@@ -99,10 +102,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def _derive(cfg: RunConfig) -> None:
-    """Sizes that verl writes relative to others: fsdp_size -1 is every trainer rank."""
+    """Sizes that verl writes relative to others (fsdp_size -1 is every trainer rank), and the anchor of the PPO
+    ratio as verl's bypass_mode and the older keys say it."""
     fsdp, world = cfg.actor.fsdp_config, cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     if fsdp.fsdp_size == -1 and world > 0 and cfg.trainer.backend == "torch":
         fsdp.fsdp_size = world
+    _derive_bypass(cfg)
+
+
+def _derive_bypass(cfg: RunConfig) -> None:
+    """`algorithm.rollout_correction.bypass_mode` (verl's key) and the older async_training.compute_prox_log_prob /
+    use_rollout_log_probs (actor.use_rollout_log_probs) say the same thing: the key that is set decides, and both
+    set the other way is an error. In bypass mode with a correction to apply, verl swaps its vanilla loss for
+    bypass_mode; so does this."""
+    at, rc = cfg.async_training, cfg.algorithm.rollout_correction
+    legacy_recompute = at.compute_prox_log_prob or not at.use_rollout_log_probs  # their defaults say bypass
+    if rc.bypass_mode is None:
+        rc.bypass_mode = not legacy_recompute
+    elif rc.bypass_mode and legacy_recompute:
+        raise ConfigError(
+            "algorithm.rollout_correction.bypass_mode=true uses the engine's logprobs as the PPO anchor, but "
+            "async_training.compute_prox_log_prob=true or use_rollout_log_probs=false asks for recomputed ones: "
+            "keep one of them (bypass_mode is verl's current key)"
+        )
+    at.compute_prox_log_prob = not rc.bypass_mode
+    at.use_rollout_log_probs = rc.bypass_mode
+    loss = cfg.actor.policy_loss
+    if rc.bypass_mode and loss.loss_mode == "vanilla" and (rc.active or rc.loss_type == "reinforce"):
+        loss.loss_mode = "bypass_mode"
 
 
 def to_yaml(cfg: RunConfig) -> str:
