@@ -197,11 +197,16 @@ def build_stream(
     clock_name, namespace = clock
     ro = cfg.rollout
     gen_cls, gen_kwargs = generate_stage(cfg, model_dir, clock, version)
-    crf = cfg.custom_reward_function
+    crf = cfg.reward.custom_reward_function
     reward_cls, reward_kwargs = _construct(
         cfg.stages.reward,
         "stages.reward",
-        {"custom_path": crf.path, "custom_name": crf.name, "reward_kwargs": dict(crf.reward_kwargs)},
+        {
+            "custom_path": crf.path,
+            "custom_name": crf.name,
+            "reward_kwargs": dict(crf.reward_kwargs),
+            "manager": cfg.reward_manager(),
+        },
     )
     adv_cls, adv_kwargs = advantage_stage(cfg)
     where = placement(cfg)

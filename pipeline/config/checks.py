@@ -84,7 +84,8 @@ def validate(cfg: RunConfig) -> None:
         stage_kwargs(getattr(cfg.stages, name), f"stages.{name}")
     if "_target_" in cfg.stages.advantage:  # else algorithm.adv_estimator names the class
         stage_kwargs(cfg.stages.advantage, "stages.advantage")
-    _check_custom_reward_function(cfg.custom_reward_function)
+    _check_custom_reward_function(cfg.reward.custom_reward_function)
+    _check_reward_manager(cfg)
     _check_policy_loss(cfg)
 
 
@@ -108,10 +109,25 @@ def _check_custom_reward_function(crf: CustomRewardFunctionConfig) -> None:
     from stages.verifiers import RewardFunctionError, check_score_signature, load_score_function
 
     if not crf.name:
-        raise ConfigError("custom_reward_function.name is empty: name the function to call (verl: compute_score).")
+        raise ConfigError(
+            "reward.custom_reward_function.name is empty: name the function to call (verl: compute_score)."
+        )
     try:
         check_score_signature(load_score_function(crf.path, crf.name), crf.name, crf.reward_kwargs, crf.path)
     except RewardFunctionError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_reward_manager(cfg: RunConfig) -> None:
+    manager = cfg.reward.reward_manager
+    if manager.module.path is not None:
+        raise ConfigError(
+            "reward.reward_manager.module.path names a reward manager class of your own (verl's source=importlib), "
+            "which is not supported: a reward.custom_reward_function can score any way you like"
+        )
+    try:
+        cfg.reward_manager()
+    except ValueError as err:
         raise ConfigError(str(err)) from None
 
 

@@ -23,6 +23,9 @@ DEFAULT_CONFIG = CONF_DIR / "default.yaml"
 VERL_ALIASES = {
     "actor_rollout_ref.actor": "actor",
     "actor_rollout_ref.rollout": "rollout",
+    "custom_reward_function": "reward.custom_reward_function",
+    "reward_model.reward_manager": "reward.reward_manager.name",
+    "reward_model.reward_kwargs": "reward.reward_kwargs",
     "actor_rollout_ref.model.path": "model.path",
     "actor.optim.lr": "actor.lr",
     "actor.optim.weight_decay": "actor.weight_decay",
@@ -84,10 +87,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if not cfg_path.exists():
         raise ConfigError(f"config file {cfg_path} does not exist. Pass a YAML file from {CONF_DIR}.")
     layers.append(_translate_verl(OmegaConf.load(cfg_path)))
-    bad = [o for o in overrides if "=" not in o]
+    bad = [o for o in overrides if "=" not in o or o.startswith("~")]
     if bad:
-        raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. rollout.n=4).")
-    layers.append(_translate_verl(OmegaConf.from_dotlist(list(overrides))))
+        raise ConfigError(
+            f"override {bad[0]!r} is not of the form key=value (e.g. rollout.n=4); hydra's ~key (delete a key) has "
+            "no meaning here: every key has a default."
+        )
+    # hydra's +key / ++key add a key its struct config lacks; the schema here holds every key it accepts
+    overrides = [o.lstrip("+") for o in overrides]
+    layers.append(_translate_verl(OmegaConf.from_dotlist(overrides)))
     try:
         merged = OmegaConf.merge(*layers)
         cfg: RunConfig = OmegaConf.to_object(merged)

@@ -13,9 +13,11 @@ pipeline/ sees the whole config.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from stages.reward_manager import OverlongBuffer, RewardManager
 from stages.sim.workload import Workload
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 
@@ -347,7 +349,8 @@ class RayConfig:
 
 @dataclass
 class CustomRewardFunctionConfig:
-    """verl's `custom_reward_function.*`: a user's function scores every sample instead of the built-in verifiers."""
+    """verl's `reward.custom_reward_function.*`: a user's function scores every sample instead of the built-in
+    verifiers (verl's older top-level `custom_reward_function.*` is the same section)."""
 
     path: str = ""
     """Python file defining the function (also `file://<path>`, or `pkg://<module>`); empty: the built-in verifier
@@ -360,6 +363,63 @@ class CustomRewardFunctionConfig:
     """Extra keywords of every call; they win over the ones above, as in verl."""
 
 
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (verl's `reward.reward_kwargs.overlong_buffer_cfg`, dapo manager)."""
+
+    enable: bool = False
+    """Add min(0, -(L - (max_resp_len - len)) / len * penalty_factor) to the reward of a response of L tokens."""
+    len: int = 0
+    """The buffer: the last `len` tokens before max_resp_len, over which the penalty grows to penalty_factor."""
+    penalty_factor: float = 1.0
+    """The penalty of a response of max_resp_len tokens."""
+    log: bool = False
+    """Record overlong_reward and overlong (whether it paid) in each sample's reward_extra_info."""
+
+
+@dataclass
+class RewardKwargsConfig:
+    """verl's `reward.reward_kwargs`: the reward manager's own keywords (the function's are
+    custom_reward_function.reward_kwargs)."""
+
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """dapo: the overlong buffer."""
+    max_resp_len: int | None = None
+    """dapo: the response length the buffer ends at; null: data.max_response_length (verl requires it)."""
+
+
+@dataclass
+class RewardModuleConfig:
+    path: str | None = None
+    """verl's reward manager class of the user's own (source=importlib): not supported, must stay null."""
+    name: str = "custom_reward_manager"
+    """Its class name (verl's key; unused here)."""
+
+
+@dataclass
+class RewardManagerConfig:
+    name: str = "naive"
+    """verl's reward manager (stages/reward_manager.py): 'naive' (the score), 'dapo' (naive plus the overlong
+    buffer), 'prime' or 'remote' (scored as naive); 'batch', 'rate_limited', 'gdpo' are refused with the reason."""
+    source: Literal["register"] = "register"
+    """verl's 'register' (a manager by name); 'importlib' (a manager class of the user's) is not supported: a custom
+    reward function scores any way it likes."""
+    module: RewardModuleConfig = field(default_factory=RewardModuleConfig)
+    """verl's importlib module of a manager class (must stay null)."""
+
+
+@dataclass
+class RewardConfig:
+    """verl's `reward.*`: the reward manager, its keywords and the custom reward function."""
+
+    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
+    """Which reward manager (verl's older `reward_model.reward_manager` names it too)."""
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
+    """The manager's keywords (verl's older `reward_model.reward_kwargs`)."""
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """A user's scoring function (verl's older top-level `custom_reward_function`)."""
+
+
 def _stage(target: str) -> Any:
     # Only the target: keyword defaults live in the class, so swapping `_target_` inherits nothing stale.
     return field(default_factory=lambda: {"_target_": target})
@@ -370,7 +430,7 @@ class StagesConfig:
     generate: Any = _stage("stages.generate.VLLMGenerate")
     """Generation stage: class and its constructor keywords."""
     reward: Any = _stage("stages.reward.Reward")
-    """Reward stage (its keywords: timeout_s, num_workers; custom_reward_function is wired in)."""
+    """Reward stage (its keywords: timeout_s, num_workers; reward.* is wired in)."""
     advantage: Any = field(default_factory=dict)
     """Advantage stage: without a `_target_`, algorithm.adv_estimator's class (stages.advantage.ESTIMATORS) with
     these keywords; a `_target_` here names the class itself and wins over adv_estimator."""
@@ -390,8 +450,8 @@ class RunConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
-    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
-    """verl's custom reward function (top level, as in verl)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """verl's reward manager and custom reward function."""
     sim: Workload = field(default_factory=Workload)
     """The simulated workload of stages.sim.generate.SimGenerate and trainer.backend=sim (stages/sim/workload.py)."""
     resume: bool = False
@@ -401,6 +461,15 @@ class RunConfig:
         """Whether the stream computes reference logprobs: for the KL loss or the KL in the reward."""
         # actor.use_kl_loss belongs to the trainer's settings; read defensively so the stream does not depend on it.
         return bool(getattr(self.actor, "use_kl_loss", False)) or self.algorithm.use_kl_in_reward
+
+    def reward_manager(self) -> RewardManager:
+        """The Reward stage's manager: reward.reward_manager and reward.reward_kwargs, max_resp_len defaulting to
+        data.max_response_length."""
+        kw = self.reward.reward_kwargs
+        overlong = OverlongBuffer(**dataclasses.asdict(kw.overlong_buffer_cfg))
+        return RewardManager(
+            self.reward.reward_manager.name, overlong, kw.max_resp_len or self.data.max_response_length
+        )
 
     def scores_in_engine(self) -> bool:
         """rollout.score_in_engine resolved: on unless set false or a reference model needs a stage of its own."""
