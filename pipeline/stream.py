@@ -86,7 +86,11 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
             "max_tokens": cfg.data.max_response_length,
             "temperature": ro.temperature,
             "top_p": ro.top_p,
-            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "max_model_len": ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "top_k": ro.top_k,
+            "engine_args": ro.engine_args(),
+            # set here only when rollout.gpu_memory_utilization is; else a preset's stages.generate keyword may
+            **({"gpu_memory_utilization": ro.gpu_memory_utilization} if ro.gpu_memory_utilization else {}),
             "kv_cache_gb": ro.kv_cache_gb,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
             "seed": cfg.trainer.seed,

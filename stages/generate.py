@@ -89,6 +89,8 @@ class VLLMGenerate:
         gpu_memory_utilization: float = 0.9,
         enable_rollout_routing_replay: bool = False,
         routed_experts_capture: str = "auto",
+        top_k: int = -1,
+        engine_args: dict[str, Any] | None = None,
     ) -> None:
         """`default_agent_loop`: the loop of rows whose agent_name is null; `multi_turn`: rollout.multi_turn.
         `validation_only`: the dedicated validation engine (async_training.use_trainer_do_validate), outside the
@@ -97,13 +99,15 @@ class VLLMGenerate:
         the GPU. Unused on CPU, where `kv_cache_gb` sizes the cache. `tensor_parallel_size`: the engine's TP ranks,
         one worker process each (on the GPUs Ray gave this actor; on CPU, on the cores `cpu_binding` gives them).
         `enable_rollout_routing_replay`: fill `routed_experts` (an MoE model), captured the `routed_experts_capture`
-        way (stages/vllm_routes.py)."""
+        way (stages/vllm_routes.py). `top_k`: top-k sampling (-1 off). `engine_args`: more of vLLM's AsyncEngineArgs
+        (rollout.engine_args(): chunked prefill, batch limits, eager mode, engine_kwargs.vllm); route capture's own
+        needs win over them."""
         from transformers import AutoTokenizer
 
         self.clock = None if validation_only else ray.get_actor(clock_name, namespace=namespace)
         actor_id = "" if validation_only else ray.get_runtime_context().get_actor_id() or ""
         self.replica = VALIDATION_REPLICA if validation_only else ray.get(self.clock.reserve_replica.remote(actor_id))
-        self.n, self.max_tokens, self.temperature, self.top_p = n, max_tokens, temperature, top_p
+        self.n, self.max_tokens, self.temperature, self.top_p, self.top_k = n, max_tokens, temperature, top_p, top_k
         self.eos = eos_token_id(model_dir)
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', not {pause_mode!r}")
@@ -121,6 +125,7 @@ class VLLMGenerate:
         engine_kwargs |= parallel_args(tensor_parallel_size, on_gpu())
         if on_gpu():
             engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        engine_kwargs |= engine_args or {"enforce_eager": True}
         self.route_capture = (
             make_route_capture(routed_experts_capture, on_gpu()) if enable_rollout_routing_replay else None
         )
@@ -164,7 +169,6 @@ class VLLMGenerate:
 
         args = AsyncEngineArgs(
             skip_tokenizer_init=True,  # token ids in, token ids out: the stage decodes with its own tokenizer
-            enforce_eager=True,
             worker_extension_cls="stages.vllm_worker.EngineWorker",
             **kwargs,
         )
@@ -275,11 +279,12 @@ class VLLMGenerate:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        sampling = sampling or {"temperature": self.temperature, "top_p": self.top_p}
+        sampling = sampling or {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=sampling["temperature"],
             top_p=sampling["top_p"],
+            top_k=sampling.get("top_k", -1),
             logprobs=0,  # the sampled token's logprob: the behaviour policy
             stop_token_ids=[] if self.ignore_eos else [self.eos],  # the engine has no tokenizer: tell it EOS
             output_kind=RequestOutputKind.DELTA,
@@ -362,7 +367,7 @@ class VLLMGenerate:
 
     async def _val_one(self, row: dict[str, Any], index: int, msg: dict[str, Any]) -> dict[str, Any]:
         sample_id = f"val-{msg['version']}/{row['prompt_id']}/{index}"
-        sampling = {"temperature": msg["temperature"], "top_p": msg["top_p"]}
+        sampling = {"temperature": msg["temperature"], "top_p": msg["top_p"], "top_k": msg.get("top_k", -1)}
         start = time.time()
         tokens, _, spans, finish, _ = await self._segment(row["prompt_ids"], self.max_tokens, sample_id, sampling)
         return {

@@ -76,10 +76,11 @@ def validate(cfg: RunConfig) -> None:
         + _fsdp_checks(cfg)
         + _reward_checks(cfg)
         + _engine_tp_checks(cfg)
+        + _engine_checks(cfg)
     ):
         if not ok:
             raise ConfigError(message)
-    monitor_names(cfg.trainer.monitor)
+    _check_monitors(cfg)
     for name in ("generate", "reward", "ref_logprob"):
         stage_kwargs(getattr(cfg.stages, name), f"stages.{name}")
     if "_target_" in cfg.stages.advantage:  # else algorithm.adv_estimator names the class
@@ -87,6 +88,42 @@ def validate(cfg: RunConfig) -> None:
     _check_custom_reward_function(cfg.reward.custom_reward_function)
     _check_reward_manager(cfg)
     _check_policy_loss(cfg)
+
+
+def _check_monitors(cfg: RunConfig) -> None:
+    """Each monitor named, and the package the tensorboard one writes with installed (said now, not after start)."""
+    import importlib.util
+
+    names = monitor_names(cfg.trainer.monitor)
+    if "tensorboard" in names and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "trainer.monitor (verl: trainer.logger) names tensorboard, and the tensorboard package is not installed: "
+            "pip install tensorboard, or leave it out of the list"
+        )
+    if cfg.trainer.console_interval < 1:
+        raise ConfigError(f"trainer.console_interval must be >= 1, not {cfg.trainer.console_interval}")
+
+
+def _engine_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    ro, d = cfg.rollout, cfg.data
+    need = d.max_prompt_length + d.max_response_length
+    return [
+        (ro.top_k == -1 or ro.top_k >= 1, f"rollout.top_k must be -1 (off) or >= 1, not {ro.top_k}"),
+        (
+            ro.val_kwargs.top_k == -1 or ro.val_kwargs.top_k >= 1,
+            f"rollout.val_kwargs.top_k must be -1 (off) or >= 1, not {ro.val_kwargs.top_k}",
+        ),
+        (
+            ro.max_model_len is None or ro.max_model_len >= need,
+            f"rollout.max_model_len={ro.max_model_len} is less than data.max_prompt_length + max_response_length = "
+            f"{need}: raise it or leave it null",
+        ),
+        (
+            ro.gpu_memory_utilization is None or 0 < ro.gpu_memory_utilization <= 1,
+            "rollout.gpu_memory_utilization must be in (0, 1]",
+        ),
+        (ro.nnodes >= 1 and ro.n_gpus_per_node >= 0, "rollout.nnodes must be >= 1 and rollout.n_gpus_per_node >= 0"),
+    ]
 
 
 def _reward_checks(cfg: RunConfig) -> list[tuple[bool, str]]:

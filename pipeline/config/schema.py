@@ -21,7 +21,7 @@ from stages.reward_manager import OverlongBuffer, RewardManager
 from stages.sim.workload import Workload
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 
-MONITORS = ("mlflow", "jsonl", "null")
+MONITORS = ("console", "mlflow", "tensorboard", "file", "jsonl", "null")
 
 
 class ConfigError(ValueError):
@@ -148,6 +148,19 @@ class ValKwargs:
     """0 is greedy."""
     top_p: float = 1.0
     """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling; -1 (vLLM's off; verl's HF rollout writes 0) keeps every token."""
+    do_sample: bool | None = None
+    """verl's switch: false is greedy whatever temperature says; true or null samples at temperature."""
+
+
+@dataclass
+class EngineKwargsConfig:
+    """verl's `rollout.engine_kwargs`: keywords of the engine itself, per engine."""
+
+    vllm: dict[str, Any] = field(default_factory=dict)
+    """Passed to vLLM's AsyncEngineArgs as they are (compilation_config, enable_expert_parallel, ...), after every
+    other engine setting, so they win."""
 
 
 @dataclass
@@ -186,8 +199,34 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling; -1 (vLLM's off; verl's HF rollout writes 0 for it) keeps every token."""
     num_replicas: int = 1
     """Generate actors, each owning one engine."""
+    nnodes: int = 1
+    """verl's rollout nodes; with n_gpus_per_node they set the replicas: nnodes x n_gpus_per_node /
+    tensor_model_parallel_size."""
+    n_gpus_per_node: int = 0
+    """verl's rollout GPUs per node (on CPU: engine devices per node); 0: rollout.num_replicas says how many."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's share of each engine's GPU (weights and KV cache); null: 0.9. vLLM on CPU sizes its KV cache by
+    rollout.kv_cache_gb instead."""
+    max_model_len: int | None = None
+    """The engine's context length; null: data.max_prompt_length + data.max_response_length."""
+    max_num_batched_tokens: int | None = None
+    """vLLM's token budget of one scheduler step; null: vLLM's default."""
+    max_num_seqs: int | None = None
+    """vLLM's most sequences in one batch; null: vLLM's default."""
+    enable_chunked_prefill: bool | None = None
+    """vLLM's chunked prefill; null: vLLM's default."""
+    enable_prefix_caching: bool | None = None
+    """vLLM's prefix cache; null: vLLM's default (the MoE route-capture hook turns it off)."""
+    enforce_eager: bool = True
+    """vLLM without CUDA graphs or torch.compile (the default here: engines start in seconds on CPU)."""
+    disable_log_stats: bool | None = None
+    """vLLM's periodic stats log; null: vLLM's default."""
+    engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
+    """Keywords of the engine itself (verl's rollout.engine_kwargs.vllm)."""
     tensor_model_parallel_size: int = 1
     """Tensor-parallel ranks of each vLLM engine (verl's key): a replica's engine runs on this many devices of one
     node (GPUs; CPU cores on CPU), and every rank joins the weight sync. Must divide the model's attention heads."""
@@ -222,13 +261,20 @@ class RolloutConfig:
     so a GPU; unverified here), 'hook' a capture function on every router in the engine worker (runs anywhere; turns
     prefix caching off), 'auto' native on a GPU, else the hook."""
 
+    def engine_args(self) -> dict[str, Any]:
+        """vLLM's AsyncEngineArgs from the engine settings that are set, engine_kwargs.vllm last (it wins)."""
+        knobs = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enable_prefix_caching")
+        args = {k: getattr(self, k) for k in (*knobs, "disable_log_stats") if getattr(self, k) is not None}
+        return {"enforce_eager": self.enforce_eager, **args, **self.engine_kwargs.vllm}
+
 
 @dataclass
 class DataConfig:
     train_files: str = "embedded"
     """Prompt file (parquet or jsonl, any fsspec URL) or 'embedded' for the built-in task."""
     max_prompt_length: int = 64
-    """Prompts longer than this (in tokens) are an input error."""
+    """Prompts longer than this (in tokens) are an input error, unless truncation or filter_overlong_prompts says
+    otherwise."""
     max_response_length: int = 48
     """max_tokens per response."""
     num_embedded_prompts: int = 2000
@@ -243,12 +289,26 @@ class DataConfig:
     """Size of the embedded held-out set (prompts that are not in its training set)."""
     seed: int = 0
     """Shuffle seed; epoch e uses seed + e."""
+    shuffle: bool = True
+    """Reshuffle the prompts each epoch; false: the file's order every epoch."""
+    prompt_key: str = "prompt"
+    """verl format: the column holding each row's chat messages."""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """A prompt longer than max_prompt_length: 'error' stops the run naming the row; 'left' keeps its last tokens,
+    'right' its first, 'middle' both ends (verl's choices)."""
+    filter_overlong_prompts: bool = False
+    """Drop the prompts longer than max_prompt_length when the file is opened (tokenizes every row up front)."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keywords of the tokenizer's chat template (e.g. a model's thinking switch), verl format only."""
 
 
 @dataclass
 class ModelConfig:
     path: str = "embedded"
     """HF model directory, or 'embedded' to build the tiny random model and tokenizer into the run directory."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Values of the model's config.json to replace, for the trainer and the engines (verl's key; e.g.
+    max_position_embeddings); the user's directory is not written (pipeline/tasks/model_overrides.py)."""
     arch: Literal["dense", "moe"] = "dense"
     """The embedded model's architecture: 'dense' (Qwen2) or 'moe' (Qwen3-MoE, 4 experts, top-2). A model directory
     says what it is in its config.json; this key does not apply to it."""
@@ -273,14 +333,24 @@ class TrainerConfig:
     """Parent directory of run directories (any local path)."""
     run_name: str = ""
     """Run directory name; empty means a timestamp."""
-    monitor: Any = "mlflow"
-    """'mlflow', 'jsonl', 'null', or a list such as [mlflow,jsonl]. metrics.jsonl in the run directory is written in
-    every case (the run summary is computed from it), so 'jsonl' and 'null' both mean: no MLflow."""
+    monitor: Any = field(default_factory=lambda: ["console", "mlflow"])
+    """Where metrics go besides metrics.jsonl, which the run directory always holds (the summary is computed from it):
+    one of MONITORS or a list, verl's trainer.logger spelling too. 'console' (a line per step where stderr is not
+    a terminal), 'mlflow', 'tensorboard' (<run>/tensorboard, needs the tensorboard package), 'file' and 'jsonl' (the
+    metrics.jsonl), 'null' (nothing more)."""
     mlflow_tracking_uri: str = ""
     """MLflow tracking store: an http(s):// server, a sqlite:///path.db, ...; empty keeps a sqlite store and the
     artifacts inside the run directory (<run>/mlflow)."""
-    experiment_name: str = "asyncrl"
-    """MLflow experiment of the run (created when missing)."""
+    project_name: str = "asyncrl"
+    """MLflow experiment of the run (created when missing): verl's project (a W&B project there). verl's
+    trainer.experiment_name is the run's name: trainer.run_name."""
+    resume_mode: Literal["auto", "disable", "resume_path"] | None = None
+    """verl's resume switch: 'auto' continues trainer.run_name from its latest checkpoint when it has one and starts
+    it fresh otherwise; 'disable' never resumes; 'resume_path' (a checkpoint of your choice) is not supported.
+    null: `resume` decides."""
+    console_interval: int = 1
+    """The console monitor (trainer.monitor 'console'): where stderr is not a terminal (a Ray job's log, CI), one
+    line of the main metrics every this many steps instead of a progress bar."""
     n_gpus_per_node: int = 0
     """verl's trainer ranks per node (GPUs on a GPU cluster, processes on CPU). trainer.backend=megatron runs
     n_gpus_per_node x nnodes ranks, data-parallel size = that / (tensor x pipeline parallel size); 0 means one
@@ -456,6 +526,9 @@ class RunConfig:
     """The simulated workload of stages.sim.generate.SimGenerate and trainer.backend=sim (stages/sim/workload.py)."""
     resume: bool = False
     """Continue the run named by trainer.run_name from its latest checkpoint."""
+    notices: list[str] = field(default_factory=list)
+    """Written by the loader, not read from any file: the verl keys of this run accepted without effect, each with
+    why (pipeline/config/verl_keys.py); printed at start and kept in the run's config.yaml."""
 
     def uses_reference(self) -> bool:
         """Whether the stream computes reference logprobs: for the KL loss or the KL in the reward."""
@@ -477,8 +550,13 @@ class RunConfig:
 
 
 def monitor_names(value: Any) -> list[str]:
-    """`trainer.monitor` as a list of names: a name or a list of them, each one of MONITORS."""
+    """`trainer.monitor` (verl: trainer.logger) as a list of names: a name or a list of them, each one of MONITORS."""
     names = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
+    if "wandb" in names:
+        raise ConfigError(
+            "trainer.monitor (verl: trainer.logger) 'wandb': Weights & Biases is not supported here; use mlflow or "
+            "tensorboard (and console)"
+        )
     if not names or any(n not in MONITORS for n in names):
         raise ConfigError(f"trainer.monitor {value!r}: expected one of {', '.join(MONITORS)} or a list of them")
     return names
