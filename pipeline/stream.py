@@ -131,9 +131,9 @@ def advantage_stage(cfg: RunConfig) -> tuple[type, dict]:
 
 def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
     """What the training sink applies to a whole step's table before it splits it: verl's batch-wide whitening for
-    the estimators that ask for it (`whiten_over_step`), else nothing."""
+    the estimators that ask for it (`whiten_over_step`), an estimator's own `over_step` (gpg's scale), else nothing."""
     cls, _ = advantage_stage(cfg)
-    return whiten_step if getattr(cls, "whiten_over_step", False) else None
+    return whiten_step if getattr(cls, "whiten_over_step", False) else getattr(cls, "over_step", None)
 
 
 def reference_model_dir(cfg: RunConfig, model_dir: str, run_dir: str) -> str:

@@ -54,7 +54,31 @@ class AsyncTrainingConfig:
     least); false holds a replica's new training requests until its share of the pass is done (verl's default)."""
 
 
-AdvEstimator = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+# verl's registered estimators (verl/trainer/ppo/core_algos.py); stages.advantage.ESTIMATORS has the classes.
+AdvEstimator = Literal[
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "grpo_vectorized",
+    "rloo_vectorized",
+    "grpo_passk",
+    "opo",
+    "gpg",
+    "gae",
+    "remax",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
+    "gdpo",
+]
+# Those that need what the stream does not have, and what.
+REFUSED_ESTIMATORS = {
+    "gae": "a critic (a value model trained beside the actor)",
+    "remax": "a greedy baseline rollout of every prompt beside its sampled responses",
+    "optimal_token_baseline": "the trainer's sum of squared token probabilities at every response token",
+    "tir_optimal_token_baseline": "the trainer's sum of squared token probabilities at every response token",
+    "gdpo": "several reward components per sample (algorithm.gdpo_reward_keys), normalised apart",
+}
 # verl's KL estimators (stages/trainer/kl.py's KL_TYPES_ALL; written out so that loading a config imports no torch).
 KLType = Literal[
     "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"
@@ -87,8 +111,9 @@ class AlgorithmConfig:
     """verl's `algorithm.*`: the advantage estimator, the KL in the reward, rollout correction."""
 
     adv_estimator: AdvEstimator = "grpo"
-    """Advantage estimator (stages/advantage): 'grpo', 'rloo', 'reinforce_plus_plus' or
-    'reinforce_plus_plus_baseline'. An explicit `stages.advantage._target_` wins over it."""
+    """Advantage estimator (stages/advantage): 'grpo', 'rloo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline',
+    'grpo_vectorized', 'rloo_vectorized', 'grpo_passk', 'opo' or 'gpg'; verl's gae, remax, the optimal-token-baseline
+    pair and gdpo are refused naming what they need. An explicit `stages.advantage._target_` wins over it."""
     norm_adv_by_std_in_grpo: bool = True
     """grpo: divide by the group's std (false: Dr.GRPO, s - mean only)."""
     gamma: float = 1.0
@@ -103,6 +128,13 @@ class AlgorithmConfig:
     """The KL coefficient (fixed only)."""
     rollout_correction: CorrectionSettings = field(default_factory=CorrectionSettings)
     """verl's `algorithm.rollout_correction.*`: off-policy correction between engine and trainer."""
+
+    def __post_init__(self) -> None:
+        if self.adv_estimator in REFUSED_ESTIMATORS:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.adv_estimator} needs {REFUSED_ESTIMATORS[self.adv_estimator]}, "
+                "which asyncrl does not have: use grpo, rloo, reinforce_plus_plus(_baseline), grpo_passk, opo or gpg"
+            )
 
 
 @dataclass
