@@ -11,25 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from stages.advantage.base import OutcomeAdvantage
+from stages.advantage.grpo import GRPOAdvantage
 
 
-class GRPOPassKAdvantage(OutcomeAdvantage):
-    def __init__(
-        self,
-        group_size: int,
-        epsilon: float = 1e-6,
-        norm_by_std: bool = True,
-        kl_in_reward: bool = False,
-        kl_coef: float = 0.001,
-        kl_penalty: str = "kl",
-    ) -> None:
-        if group_size < 2:
-            raise ValueError(f"grpo_passk compares two responses per prompt: set rollout.n >= 2, not {group_size}")
-        super().__init__(group_size, kl_in_reward, kl_coef, kl_penalty)
-        self.epsilon, self.norm_by_std = epsilon, norm_by_std
+class GRPOPassKAdvantage(GRPOAdvantage):
+    """GRPO's keywords (epsilon, norm_by_std); only group_advantage differs."""
 
     def group_advantage(self, scores: np.ndarray) -> np.ndarray:
+        if len(scores) < 2:
+            raise ValueError(f"grpo_passk compares two responses per prompt: set rollout.n >= 2, not {len(scores)}")
         order = np.argsort(-scores, kind="stable")  # the first of equal scores wins
         best, second = order[0], order[1]
         advantage = scores[best] - scores[second]

@@ -185,7 +185,7 @@ def test_grpo_passk_only_the_best_response_learns():
     raw = GRPOPassKAdvantage(group_size=3, norm_by_std=False)(block(["a"] * 3, [1.0, 1.0, 0.0], [[1]] * 3))
     assert adv(raw) == pytest.approx([0.0, 0.0, 0.0])  # a tie at the top: r_max - r_second = 0
     with pytest.raises(ValueError, match="rollout.n >= 2"):
-        GRPOPassKAdvantage(group_size=1)
+        GRPOPassKAdvantage(group_size=1)(block(["a"], [0.5], [[1]]))
 
 
 def test_opo_length_weighted_baseline_by_hand():
