@@ -130,6 +130,11 @@ def test_gspo():
     x = _two_rows([0.2, 0.4], [-0.1, 0.0, -0.2], 1.0, -1.0, agg="seq-mean-token-mean")
     seq = _run("gspo", x, clip_ratio_low=0.2, clip_ratio_high=0.28)[1]
     assert seq.loss.item() == pytest.approx((-1.28 + s1) / 2)
+    # Each token's gradient is its own advantage times s (GSPO-token): with advantages +1 and -1 in one response
+    # of ratio e^0.1 they pull apart, where a plain sequence ratio would give both the sum of the two, 0.
+    x = _inputs([[-1.0, -1.0]], [[-1.1, -1.1]], [[1.0, -1.0]])
+    _, _, grad = _run("gspo", x, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    assert grad == pytest.approx([-math.exp(0.1) / 2, math.exp(0.1) / 2])
 
 
 def test_geo_mean():
