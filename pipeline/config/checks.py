@@ -4,13 +4,9 @@ after the merge."""
 
 from __future__ import annotations
 
-from pipeline.config.schema import (
-    ConfigError,
-    CustomRewardFunctionConfig,
-    MultiTurnConfig,
-    RunConfig,
-    monitor_names,
-)
+from pipeline.config.reward import CustomRewardFunctionConfig
+from pipeline.config.rollout import MultiTurnConfig
+from pipeline.config.schema import ConfigError, RunConfig, monitor_names
 from pipeline.config.targets import stage_kwargs
 
 VLLM_GENERATE = "stages.generate.VLLMGenerate"
