@@ -123,6 +123,8 @@ class RolloutConfig:
     enable_rollout_routing_replay: bool = False
     """MoE models: the engines return the experts their routers chose for every token (the `routed_experts` column),
     for the trainer to force the same routes (verl's rollout key of router replay R3)."""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """The engines' dtype (verl's key): null is bfloat16 on a GPU, float32 on CPU."""
     routed_experts_capture: Literal["auto", "hook", "native"] = "auto"
     """How the engines capture routes: 'native' is vLLM's enable_return_routed_experts (needs its Model Runner V2,
     so a GPU; unverified here), 'hook' a capture function on every router in the engine worker (runs anywhere; turns

@@ -22,6 +22,7 @@ from pipeline.config.reward import RewardConfig
 from pipeline.config.rollout import RolloutConfig
 from stages.reward_manager import OverlongBuffer, RewardManager
 from stages.sim.workload import Workload
+from stages.trainer.precision import DTypeName, MixedPrecision
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 
 MONITORS = ("console", "mlflow", "tensorboard", "file", "jsonl", "null")
@@ -149,6 +150,9 @@ class MegatronConfig:
     The trainer has tensor_model_parallel_size x pipeline_model_parallel_size ranks."""
     export_bucket_mb: int = 64
     """Weights leave the trainer gathered across TP ranks in buckets of about this many MiB of local shards."""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """The model's dtype (verl's key): 'bfloat16' trains bf16 parameters with megatron's fp32 main weights and fp32
+    optimizer state (its distributed optimizer: a GPU only); null: bfloat16 on a GPU, float32 on CPU."""
 
 
 @dataclass
@@ -157,6 +161,11 @@ class FSDPConfig:
     """Data-parallel ranks of trainer.backend=torch (verl's key), each an FSDP2 shard of the model training its
     token-balanced share of every mini-batch; 1 is one process without sharding; -1 (verl's 'every trainer GPU')
     is trainer.n_gpus_per_node x trainer.nnodes."""
+    model_dtype: DTypeName = "fp32"
+    """Dtype the weights are loaded in, updated and kept in by AdamW (verl's key): fp32 master weights by default."""
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    """Dtype of the forward and backward and of the gradient reduction (verl's key; stages/trainer/precision.py):
+    param_dtype null is bf16 on a GPU and fp32 on CPU."""
 
 
 @dataclass
@@ -310,7 +319,11 @@ class RayConfig:
     """GPUs each vLLM engine asks Ray for, on a cluster that has GPUs (a fraction shares one: 0.5 puts an engine
     and a trainer rank on one GPU)."""
     gpus_per_trainer_rank: float = 1.0
-    """GPUs each Megatron trainer rank asks Ray for, on a cluster that has GPUs."""
+    """GPUs each trainer rank (Megatron's, FSDP's, or the torch backend's one) asks Ray for, on a cluster that has
+    GPUs; it computes on that GPU."""
+    gpus_per_reference: float = 0.0
+    """GPUs the reference model's actor asks Ray for, on a cluster that has GPUs (a fraction shares one); 0 keeps
+    the reference model on the CPU. It computes on the GPU it is given, in bf16."""
     placement: Literal["auto", "required", "anywhere"] = "auto"
     """Where the actors go (pipeline/config/placement.py). 'auto': the trainer's ranks on nodes that have the
     custom resource `trainer_resource`, the engines on nodes that have `rollout_resource`, each only if the cluster
