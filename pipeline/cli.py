@@ -49,6 +49,8 @@ def _run(items: list[str]) -> int:
     except ConfigError as err:
         print(f"asyncrl: config error: {err}", file=sys.stderr)
         return 2
+    for notice in cfg.notices:  # verl keys accepted without effect, once each
+        print(f"asyncrl: note: {notice}", file=sys.stderr)
     from pipeline.finish import RunFailed, RunInterrupted
     from pipeline.run import run
 

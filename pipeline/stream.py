@@ -80,7 +80,11 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
             "model_dir": model_dir,
             "temperature": ro.temperature,
             "top_p": ro.top_p,
-            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "max_model_len": ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "top_k": ro.top_k,
+            "engine_args": ro.engine_args(),
+            # set here only when rollout.gpu_memory_utilization is; else a preset's stages.generate keyword may
+            **({"gpu_memory_utilization": ro.gpu_memory_utilization} if ro.gpu_memory_utilization else {}),
             "kv_cache_gb": ro.kv_cache_gb,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
             "dtype": ro.dtype,
@@ -109,17 +113,22 @@ def advantage_stage(cfg: RunConfig) -> tuple[type, dict]:
 
 
 def reward_stage(cfg: RunConfig) -> tuple[type, dict]:
-    crf = cfg.custom_reward_function
+    crf = cfg.reward.custom_reward_function
     cls, extra = stage_class(cfg.stages.reward, "stages.reward")
-    wiring = {"custom_path": crf.path, "custom_name": crf.name, "reward_kwargs": dict(crf.reward_kwargs)}
+    wiring = {
+        "custom_path": crf.path,
+        "custom_name": crf.name,
+        "reward_kwargs": dict(crf.reward_kwargs),
+        "manager": cfg.reward_manager(),
+    }
     return cls, bind(cls, "stages.reward", wiring, extra)
 
 
 def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
     """What the training sink applies to a whole step's table before it splits it: verl's batch-wide whitening for
-    the estimators that ask for it (`whiten_over_step`), else nothing."""
+    the estimators that ask for it (`whiten_over_step`), an estimator's own `over_step` (gpg's scale), else nothing."""
     cls, _ = advantage_stage(cfg)
-    return whiten_step if getattr(cls, "whiten_over_step", False) else None
+    return whiten_step if getattr(cls, "whiten_over_step", False) else getattr(cls, "over_step", None)
 
 
 def reference_model_dir(cfg: RunConfig, model_dir: str, run_dir: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import numpy as np
@@ -50,27 +52,45 @@ def reward_kl_metrics(table, kl_coef: float) -> dict[str, float]:
     return {"actor/reward_kl_penalty": float(np.mean(values)), "actor/reward_kl_penalty_coeff": float(kl_coef)}
 
 
+def reward_extra_metrics(table) -> dict[str, float]:
+    """The mean over the step's samples of each number (or bool) in their reward_extra_info: the reward manager's
+    `acc`, the dapo manager's `overlong` (the share that paid) and `overlong_reward`, a custom function's own keys;
+    `reward_extra/<key>/mean`, each over the samples that have the key."""
+    if "reward_extra_info" not in table.column_names:
+        return {}
+    values: dict[str, list[float]] = {}
+    for text in table["reward_extra_info"].to_pylist():
+        for key, value in (json.loads(text) if text else {}).items():
+            if isinstance(value, bool | int | float) and math.isfinite(value):
+                values.setdefault(key, []).append(float(value))
+    return {f"reward_extra/{key}/mean": float(np.mean(v)) for key, v in sorted(values.items())}
+
+
 def step_metrics(
     batch, version: int, clock_stats: dict[str, Any], train_s: float, kl_coef: float = 0.0
 ) -> dict[str, float]:
     table = batch.table
     lags = version - np.asarray(table["param_version"].to_pylist())
     lengths = np.asarray(table["num_tokens"].to_pylist())
-    return reward_kl_metrics(table, kl_coef) | {
-        "reward/mean": float(np.mean(table["reward"].to_pylist())),
-        "reward/error_ratio": float(np.mean([e is not None for e in table["reward_error"].to_pylist()])),
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float(np.mean([r == "length" for r in table["finish_reason"].to_pylist()])),
-        "staleness/max_lag": float(lags.max()),
-        "staleness/mean_lag": float(lags.mean()),
-        "trainer/wait_s": batch.wait_s,
-        "trainer/idle_ratio": batch.wait_s / max(batch.wait_s + train_s, 1e-9),
-        "trainer/version": float(version),
-        # The step's samples, and the part of them that crossed the driver (the rest went store -> trainer).
-        "perf/step_bytes": float(batch.driver_bytes + batch.heavy_bytes),
-        "perf/driver_bytes": float(batch.driver_bytes),
-        "gate/admitted_total": float(clock_stats["admitted_total"]),
-        "gate/outstanding": float(clock_stats["outstanding"]),
-        "gate/blocked_s": float(clock_stats["gate_blocked_s"]),
-    }
+    return (
+        reward_kl_metrics(table, kl_coef)
+        | reward_extra_metrics(table)
+        | {
+            "reward/mean": float(np.mean(table["reward"].to_pylist())),
+            "reward/error_ratio": float(np.mean([e is not None for e in table["reward_error"].to_pylist()])),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float(np.mean([r == "length" for r in table["finish_reason"].to_pylist()])),
+            "staleness/max_lag": float(lags.max()),
+            "staleness/mean_lag": float(lags.mean()),
+            "trainer/wait_s": batch.wait_s,
+            "trainer/idle_ratio": batch.wait_s / max(batch.wait_s + train_s, 1e-9),
+            "trainer/version": float(version),
+            # The step's samples, and the part of them that crossed the driver (the rest went store -> trainer).
+            "perf/step_bytes": float(batch.driver_bytes + batch.heavy_bytes),
+            "perf/driver_bytes": float(batch.driver_bytes),
+            "gate/admitted_total": float(clock_stats["admitted_total"]),
+            "gate/outstanding": float(clock_stats["outstanding"]),
+            "gate/blocked_s": float(clock_stats["gate_blocked_s"]),
+        }
+    )

@@ -31,12 +31,13 @@ import torch
 
 from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
+from stages.trainer.correction import correct_minibatches
 from stages.trainer.fsdp import DPRank, Share
 from stages.trainer.precision import MixedPrecision
 from stages.trainer.ranks import RankPlacement, free_port
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
-from stages.trainer.torch_backend import TorchTrainer, copy_side_files, correct_minibatches, upload
+from stages.trainer.torch_backend import TorchTrainer, copy_side_files, upload
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta
 

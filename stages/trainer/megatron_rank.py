@@ -40,12 +40,13 @@ import torch
 import torch.distributed as dist
 
 from stages.trainer.loss import AggCounts, TokenForward, entropy_from_logits
+from stages.trainer.lr_schedule import apply_lr
 from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, shard
 from stages.trainer.megatron_export import ModelExport
 from stages.trainer.megatron_moe import MegatronRouteReplay, layer_spec, moe_config
 from stages.trainer.megatron_pipeline import Stage, cpu_build, scheduled_logprobs, scheduled_update
 from stages.trainer.ranks import LOOPBACK
-from stages.trainer.settings import PolicySettings
+from stages.trainer.settings import CorrectionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
 
 
@@ -93,9 +94,11 @@ class MegatronRank:
         seed: int = 0,
         torch_threads: int = 1,
         host: str = LOOPBACK,
+        bypass: CorrectionSettings | None = None,
         dtype: str | None = None,
     ) -> None:
-        """`dtype` (actor.megatron.dtype): 'bfloat16' or 'float32' parameters; None: bfloat16 on a GPU, float32 on
+        """`bypass`: the rollout correction the bypass_mode loss applies (bypass mode); None otherwise.
+        `dtype` (actor.megatron.dtype): 'bfloat16' or 'float32' parameters; None: bfloat16 on a GPU, float32 on
         CPU. bf16 parameters train with megatron's fp32 main weights and optimizer state, which only its CUDA
         optimizer keeps."""
         from megatron.core import parallel_state
@@ -132,6 +135,7 @@ class MegatronRank:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.stage = Stage(pp_rank, pp, self.shape.num_layers, self.shape.tied_embeddings)
         self.policy = policy or PolicySettings()
+        self.bypass = bypass
         self.model = self._build(seed)
         self._load()
         self.replay = MegatronRouteReplay(self.model.module, self.shape) if self.policy.router_replay.active else None
@@ -203,17 +207,17 @@ class MegatronRank:
 
     def _optimizer(self):
         """torch AdamW on CPU; on GPU megatron's distributed optimizer with the same hyper-parameters and clip."""
-        lr, weight_decay = self.policy.lr, self.policy.weight_decay
+        lr, weight_decay, betas = self.policy.lr, self.policy.weight_decay, tuple(self.policy.optim.betas)
         if not self.cuda:
-            return torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+            return torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = OptimizerConfig(
             optimizer="adam",
             lr=lr,
             weight_decay=weight_decay,
-            adam_beta1=0.9,
-            adam_beta2=0.999,
+            adam_beta1=betas[0],
+            adam_beta2=betas[1],
             adam_eps=1e-8,
             clip_grad=self.policy.grad_clip,
             use_distributed_optimizer=True,
@@ -320,16 +324,24 @@ class MegatronRank:
         return self.train_shares(minibatches, recompute).metrics()
 
     def train_shares(
-        self, minibatches: list[dict[str, list]], recompute: bool = False, counts: list[AggCounts] | None = None
+        self,
+        minibatches: list[dict[str, list]],
+        recompute: bool = False,
+        counts: list[AggCounts] | None = None,
+        corrected: list[tuple] | None = None,
     ) -> StepTotals:
         """One update per mini-batch from this replica's share of its rows; `counts`: the whole mini-batches'
-        aggregation counts (every replica divides by them). Returns the sums StepTotals.add_rank adds up."""
-        totals = StepTotals(self.policy)
-        anchors = [self._anchor(mb) if recompute else None for mb in minibatches]
+        aggregation counts (every replica divides by them); `corrected`: per mini-batch, this share's proximal
+        anchors, rejection-masked token masks and IS weights (the step corrected as a whole by MegatronTrainer),
+        else the anchors are computed here when `recompute`. Returns the sums StepTotals.add_rank adds up."""
+        totals = StepTotals(self.policy, lr=apply_lr(self.optimizer, self.policy.optim, self.policy.lr))
+        if corrected is None:
+            corrected = [(self._anchor(mb) if recompute else None, None, None) for mb in minibatches]
         cpu_loop = not self.cuda and self.stage.size == 1
         update = self._update if cpu_loop else functools.partial(scheduled_update, self)
-        for i, (rows, anchor) in enumerate(zip(minibatches, anchors, strict=True)):
-            update(Minibatch.of(rows, self.policy, anchor, counts=counts[i] if counts else None), totals)
+        for i, (rows, (anchor, masks, weights)) in enumerate(zip(minibatches, corrected, strict=True)):
+            count = counts[i] if counts else None
+            update(Minibatch.of(rows, self.policy, anchor, masks, weights, count, self.bypass), totals)
         return totals
 
     def _anchor(self, rows: dict[str, list]) -> list:

@@ -2,17 +2,19 @@
 masks, anchors, advantages and the aggregation counts; one micro-batch's objective; and a step's metrics.
 
 The objective is verl's actor loss: policy loss - entropy_coeff * entropy + kl_loss_coef * KL(current || ref),
-the three aggregated alike (stages/trainer/loss.py) with the whole mini-batch's denominators, so the micro-batches'
-gradients add up to the mini-batch's. TorchTrainer and MegatronRank both call these, so the two backends train the
-same objective and report the same metrics by construction; each backend only supplies `token_logprobs` (its
-forward pass) and its optimizer.
+the policy loss being `actor.policy_loss.loss_mode`'s (stages/trainer/policy_loss); the three are aggregated alike
+(stages/trainer/loss.py) with the whole mini-batch's denominators, so the micro-batches' gradients add up to the
+mini-batch's. TorchTrainer and MegatronRank both call these, so the two backends train the same objective and report
+the same metrics by construction; each backend only supplies `token_logprobs` (its forward pass) and its optimizer.
 
 Metrics, under verl's names, over a step of one or more mini-batches (one optimizer update each):
 - actor/pg_loss, actor/entropy, actor/kl_loss: each mini-batch's aggregated value (the sum of its micro-batches'
   shares), averaged over the step's mini-batches (verl's legacy actor sums them; one mini-batch per step agrees);
-- actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl (mean of old - new logprob, the log-ratio clamped),
-  train/ratio_mean: token-weighted over all the step's trained tokens, not a mean of micro-batch means;
+- actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl (as each policy loss defines them; a loss that has
+  no such metric in verl reports none), train/ratio_mean: token-weighted over all the step's trained tokens, not a
+  mean of micro-batch means; a loss's other metrics (bypass_mode's rollout_corr/*) are means over micro-batches;
 - actor/grad_norm: the pre-clip norm, averaged over the step's updates; actor/kl_coef when the KL loss is on;
+  actor/lr, the step's learning rate (stages/trainer/lr_schedule.py);
 - actor/router_mismatch (with actor.router_replay.mode=R3): the share of replayed (token, MoE layer) pairs whose
   replayed experts are not the set the trainer's own router would pick, over the step's training forward passes;
   actor/router_mismatch_stale the same over the pairs whose routes older weights than the trainer's computed (the
@@ -32,8 +34,9 @@ import numpy as np
 import torch
 
 from stages.trainer.kl import kl_penalty
-from stages.trainer.loss import AggCounts, PolicyLoss, TokenLogprobs, agg_loss, ppo_clip_loss
-from stages.trainer.settings import PolicySettings
+from stages.trainer.loss import AggCounts, TokenLogprobs, agg_loss
+from stages.trainer.policy_loss import LossInputs, PolicyLoss, policy_loss_fn
+from stages.trainer.settings import CorrectionSettings, PolicySettings
 
 NEEDED_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "response_mask")
 ROUTES_COLUMN = "routed_experts"
@@ -61,6 +64,7 @@ class Minibatch:
     old: list
     counts: AggCounts  # the whole mini-batch's: every micro-batch divides by them
     is_weights: torch.Tensor | None = None  # (B, T) rollout-correction weights, None without `rollout_is`
+    bypass: CorrectionSettings | None = None  # bypass mode's correction, which the bypass_mode loss computes
 
     @classmethod
     def of(
@@ -71,9 +75,11 @@ class Minibatch:
         masks: list | None = None,
         is_weights: torch.Tensor | None = None,
         counts: AggCounts | None = None,
+        bypass: CorrectionSettings | None = None,
     ) -> Minibatch:
         """`counts`: the aggregation's counts when they span more than these rows (data-parallel ranks pass the
-        global ones and dp_size); by default this mini-batch's own."""
+        global ones and dp_size); by default this mini-batch's own. `bypass`: the rollout correction the
+        bypass_mode loss applies (the anchor being the engine's logprobs)."""
         missing = [c for c in NEEDED_COLUMNS if c not in rows]
         if "token_advantages" not in rows and "advantage" not in rows:
             missing.append("token_advantages (or advantage)")
@@ -91,7 +97,8 @@ class Minibatch:
                 sequences=float(len(rows["response_ids"])),
                 scale_factor=float(policy.loss_scale_factor or width),
             )
-        return cls(rows, masks, anchor if anchor is not None else rows["response_logprobs"], counts, is_weights)
+        old = anchor if anchor is not None else rows["response_logprobs"]
+        return cls(rows, masks, old, counts, is_weights, bypass)
 
     def slices(self, micro: int) -> list[slice]:
         return [slice(lo, lo + micro) for lo in range(0, len(self.rows["response_ids"]), micro)]
@@ -107,10 +114,8 @@ class Minibatch:
         mask = fwd.mask * self._pad(self.masks[sl], width, device)
         w = None if self.is_weights is None else self.is_weights[sl, :width].to(device)
         agg, den = policy.loss_agg_mode, self.counts.denominator(policy.loss_agg_mode)
-        clip = (policy.clip_low, policy.clip_high)
-        pg = ppo_clip_loss(
-            fwd.logp, old, self._advantages(sl, width, device), mask, *clip, agg, den, w, clip_c=policy.clip_ratio_c
-        )
+        x = LossInputs(fwd.logp, old, self._advantages(sl, width, device), mask, self.counts, agg, w, self.bypass)
+        pg = PolicyLoss.of(policy_loss_fn(policy.policy_loss)(x, policy), x)
         entropy = agg_loss(fwd.entropy, mask, agg, den)
         total = pg.loss - policy.entropy_coeff * entropy if policy.entropy_coeff else pg.loss
         kl = torch.zeros(())
@@ -233,20 +238,22 @@ class StepTotals:
     shares: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("pg", "entropy", "kl", "grad_norm"), 0.0))
     token_sums: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(
-            ("clipped", "dual_clipped", "kl", "ratio", "tokens")
-            + ("routes_replayed", "routes_changed", "stale_replayed", "stale_changed"),
-            0.0,
+            ("ratio", "tokens", "routes_replayed", "routes_changed", "stale_replayed", "stale_changed"), 0.0
         )
     )
+    pg_sums: dict[str, float] = field(default_factory=dict)  # per-token metrics the policy loss reports: their sums
+    pg_metrics: dict[str, list[float]] = field(default_factory=dict)  # its other metrics, one value per micro-batch
+    lr: float | None = None  # the step's learning rate (actor/lr), when the backend schedules one
 
     def add_micro(self, res: MicroLoss) -> None:
         self.shares["pg"] += res.pg.loss.detach().item()
         self.shares["entropy"] += res.entropy
         self.shares["kl"] += res.kl
+        for key, value in res.pg.sums.items():
+            self.pg_sums[key] = self.pg_sums.get(key, 0.0) + value
+        for key, value in res.pg.metrics.items():
+            self.pg_metrics.setdefault(key, []).append(value)
         for key, value in (
-            ("clipped", res.pg.clipped_tokens),
-            ("dual_clipped", res.pg.dual_clipped_tokens),
-            ("kl", res.pg.kl_sum),
             ("ratio", res.pg.ratio_sum),
             ("tokens", res.pg.tokens),
             ("routes_replayed", res.routes_replayed),
@@ -268,6 +275,10 @@ class StepTotals:
             self.shares[key] += other.shares[key]
         for key, value in other.token_sums.items():
             self.token_sums[key] += value
+        for key, value in other.pg_sums.items():
+            self.pg_sums[key] = self.pg_sums.get(key, 0.0) + value
+        for key, values in other.pg_metrics.items():
+            self.pg_metrics.setdefault(key, []).extend(values)
 
     def metrics(self) -> dict[str, float]:
         n, tokens = max(self.updates, 1), max(self.token_sums["tokens"], 1.0)
@@ -276,13 +287,14 @@ class StepTotals:
             "actor/entropy": self.shares["entropy"] / n,
             "actor/kl_loss": self.shares["kl"] / n,
             "actor/grad_norm": self.shares["grad_norm"] / n,
-            "actor/pg_clipfrac": self.token_sums["clipped"] / tokens,
-            "actor/pg_clipfrac_lower": self.token_sums["dual_clipped"] / tokens,
-            "actor/ppo_kl": self.token_sums["kl"] / tokens,
+            **{key: value / tokens for key, value in self.pg_sums.items()},
+            **{key: sum(values) / len(values) for key, values in self.pg_metrics.items()},
             "train/ratio_mean": self.token_sums["ratio"] / tokens,
             "train/num_tokens": float(self.token_sums["tokens"]),
             "timing/train_s": time.monotonic() - self.started,
         }
+        if self.lr is not None:
+            out["actor/lr"] = self.lr
         if self.policy.use_kl_loss:
             out["actor/kl_coef"] = self.policy.kl_loss_coef
         if self.policy.router_replay.active:

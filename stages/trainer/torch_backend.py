@@ -37,14 +37,15 @@ from torch.nn.utils.rnn import pad_sequence
 
 from stages.handoff import StepRows, rows_of
 from stages.trainer import fsdp
-from stages.trainer.correction import correct_step
+from stages.trainer.correction import correct_minibatches
 from stages.trainer.fsdp import DPRank, Share
 from stages.trainer.hf_router_replay import HFRouterReplay
 from stages.trainer.loss import TokenForward, entropy_from_logits
+from stages.trainer.lr_schedule import apply_lr
 from stages.trainer.precision import MixedPrecision, autocast, compute_dtype, pick_device, to_dtype
 from stages.trainer.ranks import node_address
-from stages.trainer.settings import CorrectionSettings, PolicySettings
-from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs, pad_rows
+from stages.trainer.settings import CorrectionSettings, PolicySettings, correction_mode_error
+from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta, make_sender
 
@@ -87,15 +88,19 @@ class TorchTrainer(SendsWeights):
             reduce_dtype = to_dtype(mixed_precision.reduce_dtype)
             fsdp.shard_model(self.model, self.dp, self.device, self.compute_dtype, reduce_dtype)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.policy.lr, weight_decay=self.policy.weight_decay
+            self.model.parameters(),
+            lr=self.policy.lr,
+            weight_decay=self.policy.weight_decay,
+            betas=tuple(self.policy.optim.betas),
         )
         if optimizer_state:
             self.load_optimizer_state(torch.load(optimizer_state, weights_only=True, map_location="cpu"))
         self.model_dir = Path(model_dir)
         self.correction = rollout_correction or CorrectionSettings()
         self.recompute = compute_prox_log_prob or not use_rollout_log_probs
-        if self.correction.active and not self.recompute:
-            raise ValueError("rollout correction compares proximal and behaviour logprobs: set compute_prox_log_prob")
+        error = correction_mode_error(self.correction, self.recompute, self.policy.policy_loss.loss_mode)
+        if error:
+            raise ValueError(error)
         self.pad = self.model.config.pad_token_id or 0
         self.replay = HFRouterReplay(self.model) if self.policy.router_replay.active else None
         self.sender = make_sender(weight_sync_backend, node_address())
@@ -103,7 +108,7 @@ class TorchTrainer(SendsWeights):
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
         """One trainer step: an optimizer update per mini-batch. Each mini-batch maps column -> list of rows."""
-        totals = StepTotals(self.policy)
+        totals = StepTotals(self.policy, lr=apply_lr(self.optimizer, self.policy.optim, self.policy.lr))
         minibatches = rows_of(minibatches)  # fetched from the object store here, not through the driver
         # The proximal anchor is the weights at the start of the step: all of it before the first update.
         anchors: list = [None] * len(minibatches)
@@ -112,16 +117,19 @@ class TorchTrainer(SendsWeights):
         if self.recompute:  # decoupled PPO: the ratio is against the proximal policy, IS against behaviour
             anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"], self._routes(mb)) for mb in minibatches]
             corrections, correction_metrics = correct_minibatches(minibatches, anchors, self.correction)
+        bypass = None if self.recompute else self.correction  # the bypass_mode loss corrects inside itself
         for rows, anchor, (masks, weights) in zip(minibatches, anchors, corrections, strict=True):
-            self._update(Minibatch.of(rows, self.policy, anchor, masks, weights), totals)
+            self._update(Minibatch.of(rows, self.policy, anchor, masks, weights, bypass=bypass), totals)
         return correction_metrics | totals.metrics()
 
     def train_shares(self, shares: list[Share]) -> StepTotals:
         """A data-parallel rank's part of a step: an update per mini-batch from its share of the rows; returns its
         sums, which the caller adds up over the ranks (StepTotals.add_rank)."""
-        totals = StepTotals(self.policy)
+        totals = StepTotals(self.policy, lr=apply_lr(self.optimizer, self.policy.optim, self.policy.lr))
+        bypass = None if self.recompute else self.correction
         for share in shares:
-            mb = Minibatch.of(share.rows, self.policy, share.anchor, share.masks, share.is_weights, share.counts)
+            rows, anchor, masks, weights = share.rows, share.anchor, share.masks, share.is_weights
+            mb = Minibatch.of(rows, self.policy, anchor, masks, weights, share.counts, bypass)
             self._update(mb, totals, share.micro_batches)
         return totals
 
@@ -270,26 +278,6 @@ class TorchTrainer(SendsWeights):
         """Fill one parameter with a constant (tests use it to prove a push changes the engine); at DP > 1 every
         rank fills its shard."""
         fsdp.local(dict(self._named_weights())[name]).fill_(value)
-
-
-def correct_minibatches(
-    minibatches: list, anchors: list, settings: CorrectionSettings
-) -> tuple[list, dict[str, float]]:
-    """The whole step corrected at once, as verl corrects a training batch; then each mini-batch's share:
-    its rejection-masked token masks and (B, T) IS weights (None without `rollout_is`)."""
-    step = correct_step(
-        [row for anchor in anchors for row in anchor],
-        [row for mb in minibatches for row in mb["response_logprobs"]],
-        [row for mb in minibatches for row in mb["response_mask"]],
-        settings,
-    )
-    shares, start = [], 0
-    for mb in minibatches:
-        share = slice(start, start + len(mb["response_ids"]))
-        w = None if step.weights is None else step.weights[share]
-        shares.append((step.masks[share], None if w is None else pad_rows(w, max(map(len, w), default=0))))
-        start = share.stop
-    return shares, step.metrics
 
 
 def copy_side_files(model_dir: Path, out: Path) -> None:

@@ -271,17 +271,24 @@ def test_tool_agent_limits_turns_calls_and_tokens():
 def test_the_loss_ignores_masked_tool_tokens():
     import torch
 
-    from stages.trainer.loss import ppo_clip_loss
+    from stages.trainer.loss import AggCounts
+    from stages.trainer.policy_loss import LossInputs
+    from stages.trainer.policy_loss.clip import vanilla
+    from stages.trainer.settings import PolicySettings
 
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]])  # (1, 5): two tool-result tokens in the middle
     old = torch.tensor([[-0.5, -0.5, 0.0, 0.0, -0.5]])  # their behaviour logprob is 0.0, as the loop writes it
-    args = (old, torch.tensor([1.0]), mask, 0.2, 0.28, "token-mean", 3.0)
+
+    def loss_of(logp: torch.Tensor) -> torch.Tensor:
+        x = LossInputs(logp, old, torch.ones(1, 5), mask, AggCounts(3, 1, 5), "token-mean")
+        return vanilla(x, PolicySettings(clip_ratio_high=0.28)).loss
+
     logp = torch.tensor([[-0.4, -0.6, -3.0, -7.0, -0.5]], requires_grad=True)
-    loss = ppo_clip_loss(logp, *args).loss
+    loss = loss_of(logp)
     loss.backward()
     assert logp.grad[0, 2] == 0.0 and logp.grad[0, 3] == 0.0 and logp.grad[0, 0] != 0.0
     other = torch.tensor([[-0.4, -0.6, -0.1, -0.2, -0.5]])
-    assert torch.isclose(ppo_clip_loss(other, *args).loss, loss.detach())
+    assert torch.isclose(loss_of(other), loss.detach())
 
 
 def test_the_audit_checks_that_per_token_columns_line_up():

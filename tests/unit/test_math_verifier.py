@@ -106,3 +106,12 @@ def test_a_comparison_past_its_timeout_scores_zero_and_says_so(monkeypatch):
 @pytest.mark.parametrize("source", ["gsm8k", "openai/gsm8k", "math", "lighteval/MATH", "math_dapo"])
 def test_registered_for_verl_math_sources(source):
     assert VERIFIERS[source] is score_math
+
+
+def test_the_antlr_runtime_is_the_pinned_one_and_reads_a_percentage():
+    """The LaTeX parser's verdicts depend on the ANTLR runtime it runs on (pyproject.toml pins 4.13.2 through
+    math-verify's extra): with 4.9.3, what verl's installs run, `\\boxed{50\\%}` scores 0 against 50."""
+    import importlib.metadata
+
+    assert importlib.metadata.version("antlr4-python3-runtime") == "4.13.2"
+    assert score_math("\\boxed{50\\%}", "50") == 1.0

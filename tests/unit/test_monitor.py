@@ -1,6 +1,7 @@
 """Monitors against real MLflow stores: a sqlite file in tmp_path and a real `mlflow server` on loopback."""
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -187,3 +188,50 @@ def wait_healthy(uri: str, server: subprocess.Popen, log: Path, timeout_s: float
         return None if server.poll() is None else f"exited with {server.returncode}: {log.read_text()[-2000:]}"
 
     wait_until(healthy, timeout_s, "the mlflow server healthy", poll_s=0.5, give_up=exited)
+
+
+class _Log(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_console_writes_a_line_every_interval_where_stderr_is_a_log_and_nothing_on_a_terminal():
+    from pipeline.observe.monitor import ConsoleMonitor
+
+    log = _Log(tty=False)
+    console = ConsoleMonitor(total_steps=5, interval=2, stream=log)
+    for step in range(1, 6):
+        console.log({"reward/mean": 0.5 + step / 10, "actor/pg_loss": -0.1, "other": 1.0}, step)
+    lines = log.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == ["2/5", "4/5", "5/5"]  # every 2nd step, and the last
+    assert "reward/mean=0.7" in lines[0] and "other" not in lines[0] and "\r" not in log.getvalue()
+    terminal = _Log(tty=True)
+    ConsoleMonitor(5, 1, terminal).log({"reward/mean": 1.0}, 1)
+    assert terminal.getvalue() == ""  # the progress bar shows it there
+
+
+def test_tensorboard_writes_every_metric_as_a_scalar(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pipeline.observe.monitor import TensorBoardMonitor
+
+    board = TensorBoardMonitor(tmp_path / "tensorboard")
+    board.log({"reward/mean": 0.25}, 1)
+    board.log({"reward/mean": 0.75}, 2)
+    board.close("FINISHED")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.75)]
+
+
+def test_a_monitor_whose_package_is_missing_is_named_at_load(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match="tensorboard package is not installed"):
+        load_config(None, ["trainer.logger=[console,tensorboard]"])
