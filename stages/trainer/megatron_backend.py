@@ -40,7 +40,7 @@ from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
 from stages.trainer.megatron_rank import MegatronRank
 from stages.trainer.ranks import RankPlacement, free_port, node_address
-from stages.trainer.settings import PolicySettings
+from stages.trainer.settings import ExecutionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals
 from stages.trainer.weight_sync import make_weight_sync
 
@@ -72,11 +72,14 @@ class MegatronTrainer:
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
         rank_placement: RankPlacement | None = None,
+        execution: ExecutionSettings | None = None,
+        override_transformer_config: dict | None = None,
     ) -> None:
         """`data_parallel_size`: model replicas, each of `tensor_model_parallel_size x pipeline_model_parallel_size`
         ranks. `gpus_per_rank`, `rank_resources`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a
         GPU cluster; a share of the trainer nodes' custom resource, pipeline/config/placement.py); `rank_placement`:
-        the trainer's nodes (default: all on this one)."""
+        the trainer's nodes (default: all on this one). `execution`, `override_transformer_config`: MegatronRank's
+        (packing, the proximal pass's micro-batches; activation recompute)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, not {data_parallel_size}")
         kwargs = dict(
@@ -85,6 +88,8 @@ class MegatronTrainer:
             policy=policy or PolicySettings(),
             seed=seed,
             torch_threads=torch_threads,
+            execution=execution,
+            override_transformer_config=override_transformer_config,
         )
         self.tp, self.pp, self.dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
         placement = rank_placement or RankPlacement()

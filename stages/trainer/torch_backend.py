@@ -38,12 +38,15 @@ from torch.nn.utils.rnn import pad_sequence
 
 from stages.handoff import StepRows, rows_of
 from stages.trainer import fsdp
+from stages.trainer.balance import row_tokens
 from stages.trainer.correction import correct_step
 from stages.trainer.fsdp import DPRank, Share
 from stages.trainer.hf_router_replay import HFRouterReplay
 from stages.trainer.loss import TokenForward, entropy_from_logits
+from stages.trainer.offload import Offload
+from stages.trainer.packing import packed_forward, use_packed_attention
 from stages.trainer.ranks import node_address
-from stages.trainer.settings import CorrectionSettings, PolicySettings
+from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs, pad_rows
 from stages.trainer.weight_sync import make_weight_sync
 
@@ -61,10 +64,12 @@ class TorchTrainer:
         optimizer_state: str | None = None,
         weight_sync_backend: str = "gloo",
         data_parallel: DPRank | None = None,
+        execution: ExecutionSettings | None = None,
     ) -> None:
         """`optimizer_state`: a saved optimizer state (a checkpoint's optimizer.pt) to continue from, as a
         single-process trainer saves it (a sharded trainer saves it gathered, so either reads either's).
-        `data_parallel`: this process's FSDP rank (stages/trainer/fsdp_backend.py starts them); None: no group."""
+        `data_parallel`: this process's FSDP rank (stages/trainer/fsdp_backend.py starts them); None: no group.
+        `execution`: packing, the proximal pass's micro-batches, activation checkpointing and offload."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
@@ -74,6 +79,11 @@ class TorchTrainer:
         self.device = fsdp.join(self.dp)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
         self.model.train()
+        self.execution = execution or ExecutionSettings()
+        if self.execution.enable_gradient_checkpointing:  # before sharding: FSDP2 wraps the checkpointed layers
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.execution.use_remove_padding:
+            use_packed_attention(self.model)
         if self.dp.size > 1:
             fsdp.shard_model(self.model, self.dp, self.device)
         self.optimizer = torch.optim.AdamW(
@@ -81,6 +91,10 @@ class TorchTrainer:
         )
         if optimizer_state:
             self.load_optimizer_state(torch.load(optimizer_state, weights_only=True))
+        self.offload = Offload(
+            self.model, self.optimizer, self.device, self.execution.param_offload, self.execution.optimizer_offload
+        )
+        self.log_prob_batching = self.execution.log_prob or self.policy.batching
         self.model_dir = Path(model_dir)
         self.correction = rollout_correction or CorrectionSettings()
         self.recompute = compute_prox_log_prob or not use_rollout_log_probs
@@ -95,6 +109,10 @@ class TorchTrainer:
         """One trainer step: an optimizer update per mini-batch. Each mini-batch maps column -> list of rows."""
         totals = StepTotals(self.policy)
         minibatches = rows_of(minibatches)  # fetched from the object store here, not through the driver
+        with self.offload.active():
+            return self._train_step(minibatches, totals)
+
+    def _train_step(self, minibatches: list[dict[str, list]], totals: StepTotals) -> dict[str, float]:
         # The proximal anchor is the weights at the start of the step: all of it before the first update.
         anchors: list = [None] * len(minibatches)
         corrections: list[tuple[list | None, torch.Tensor | None]] = [(None, None)] * len(minibatches)
@@ -110,15 +128,16 @@ class TorchTrainer:
         """A data-parallel rank's part of a step: an update per mini-batch from its share of the rows; returns its
         sums, which the caller adds up over the ranks (StepTotals.add_rank)."""
         totals = StepTotals(self.policy)
-        for share in shares:
-            mb = Minibatch.of(share.rows, self.policy, share.anchor, share.masks, share.is_weights, share.counts)
-            self._update(mb, totals, share.micro_batches)
+        with self.offload.active():
+            for share in shares:
+                mb = Minibatch.of(share.rows, self.policy, share.anchor, share.masks, share.is_weights, share.counts)
+                self._update(mb, totals, share.micro_batches)
         return totals
 
     def _update(self, mb: Minibatch, totals: StepTotals, passes: int = 0) -> None:
         """One optimizer update; `passes`: forward/backward passes to run in all, idle ones after the real ones."""
         self.optimizer.zero_grad(set_to_none=True)
-        slices = mb.slices(self.policy.micro_batch_size)
+        slices = mb.micro_batches(self.policy, at_least=passes)
         for sl in slices:
             res = mb.loss(self._token_logprobs, sl, self.policy, self.device)
             res.total.backward()
@@ -144,12 +163,16 @@ class TorchTrainer:
     ) -> TokenForward:
         """Logprob of each response token under the current weights, (B, T), and its distribution's entropy when
         asked (from the same logits; with a graph only when entropy_coeff puts it in the loss). `routes`:
-        (B, S, layers * k) MoE routes to replay (stages/trainer/step.py's pad_routes)."""
+        (B, S, layers * k) MoE routes to replay (stages/trainer/step.py's pad_routes). Packed into one row with
+        model.use_remove_padding, else right-padded."""
+        if routes is not None and self.replay is None:
+            raise ValueError("routes given to a trainer built without actor.router_replay")
+        if self.execution.use_remove_padding:
+            grad = self.policy.entropy_coeff != 0
+            return packed_forward(self.model, prompts, responses, self.device, entropy, grad, self.replay, routes)
         seqs = [torch.tensor(np.concatenate([p, r]).astype(np.int64)) for p, r in zip(prompts, responses, strict=True)]
         ids = pad_sequence(seqs, batch_first=True, padding_value=self.pad).to(self.device)  # (B, S)
         attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True).to(self.device)
-        if routes is not None and self.replay is None:
-            raise ValueError("routes given to a trainer built without actor.router_replay")
         with self.replay.forcing(routes) if self.replay else contextlib.nullcontext():
             logits = self.model(input_ids=ids, attention_mask=attn).logits.float()  # (B, S, V)
         width = max((len(r) for r in responses), default=0)
@@ -171,10 +194,14 @@ class TorchTrainer:
         return TokenForward(logp, mask, ent, self.replay.replayed, self.replay.changed, self.replay.maps())
 
     @torch.no_grad()
-    def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:
-        """Response-token logprobs under the current weights, in micro-batches (proximal anchors; tests);
-        `routes`: the rows' routed_experts to replay."""
-        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size, routes)
+    def logprobs(
+        self, prompts: list, responses: list, routes: list | None = None, at_least: int = 1
+    ) -> list[list[float]]:
+        """Response-token logprobs under the current weights, in micro-batches cut as the proximal pass says
+        (proximal anchors; tests); `routes`: the rows' routed_experts to replay."""
+        with self.offload.active():
+            batching = self.log_prob_batching
+            return micro_batched_logprobs(self._token_logprobs, prompts, responses, batching, routes, at_least)
 
     @torch.no_grad()
     def share_logprobs(self, shares: list[tuple[dict[str, list], int]]) -> list[list[list[float]]]:
@@ -183,8 +210,8 @@ class TorchTrainer:
         out = []
         for rows, passes in shares:
             routes = rows[ROUTES_COLUMN] if self.replay is not None else None
-            out.append(self.logprobs(rows["prompt_ids"], rows["response_ids"], routes))
-            for _ in range(passes - math.ceil(len(rows["response_ids"]) / self.policy.micro_batch_size)):
+            out.append(self.logprobs(rows["prompt_ids"], rows["response_ids"], routes, at_least=passes))
+            for _ in range(passes - self.log_prob_batching.count(row_tokens(rows), passes)):
                 self._idle_logits()
         return out
 
