@@ -26,6 +26,7 @@ from ray.data._internal.execution import metadata_fetcher, streaming_executor_st
 from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, check_signature, import_target, stage_kwargs
+from pipeline.config.execution import reference_options
 from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, split_actors
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
@@ -246,7 +247,9 @@ def build_stream(
     ds = ds.map_batches(gen_cls, fn_constructor_kwargs=gen_kwargs, **engine_options)
     if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
         ref_cls, ref_kwargs = _construct(
-            cfg.stages.ref_logprob, "stages.ref_logprob", {"model_dir": reference_model_dir(cfg, model_dir, run_dir)}
+            cfg.stages.ref_logprob,
+            "stages.ref_logprob",
+            {"model_dir": reference_model_dir(cfg, model_dir, run_dir), **reference_options(cfg)},
         )
         ds = ds.map_batches(
             ref_cls,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from pipeline.config import ConfigError
+from pipeline.config.execution import trainer_execution
 from pipeline.config.placement import (
     describe_nodes,
     describe_resources,
@@ -73,7 +74,7 @@ def start_trainer(ctx: RunContext):
 def _backend(ctx: RunContext) -> tuple[type, dict]:
     """The trainer class and its backend-specific arguments."""
     cfg, a = ctx.cfg, ctx.cfg.actor
-    extra: dict = {"weight_sync_backend": cfg.weight_sync.backend}
+    extra: dict = {"weight_sync_backend": cfg.weight_sync.backend, "execution": trainer_execution(cfg)}
     if cfg.trainer.backend == "megatron":
         from stages.trainer.megatron_backend import MegatronTrainer as Trainer
 
@@ -82,7 +83,7 @@ def _backend(ctx: RunContext) -> tuple[type, dict]:
     elif a.fsdp_config.fsdp_size > 1:
         from stages.trainer.fsdp_backend import FSDPTrainer as Trainer
 
-        extra |= {"rollout_correction": cfg.algorithm.rollout_correction, **dataclasses.asdict(a.fsdp_config)}
+        extra |= {"rollout_correction": cfg.algorithm.rollout_correction, "fsdp_size": a.fsdp_config.fsdp_size}
         extra["rank_resources"] = ctx.placement.trainer_resources()
     else:
         from stages.trainer.torch_backend import TorchTrainer as Trainer

@@ -4,6 +4,7 @@ after the merge."""
 
 from __future__ import annotations
 
+from pipeline.config.execution import execution_checks
 from pipeline.config.schema import (
     ConfigError,
     CustomRewardFunctionConfig,
@@ -76,6 +77,7 @@ def validate(cfg: RunConfig) -> None:
         + _fsdp_checks(cfg)
         + _reward_checks(cfg)
         + _engine_tp_checks(cfg)
+        + execution_checks(cfg)
     ):
         if not ok:
             raise ConfigError(message)

@@ -23,7 +23,8 @@ DEFAULT_CONFIG = CONF_DIR / "default.yaml"
 VERL_ALIASES = {
     "actor_rollout_ref.actor": "actor",
     "actor_rollout_ref.rollout": "rollout",
-    "actor_rollout_ref.model.path": "model.path",
+    "actor_rollout_ref.ref": "ref",
+    "actor_rollout_ref.model": "model",
     "actor.optim.lr": "actor.lr",
     "actor.optim.weight_decay": "actor.weight_decay",
     "actor.optim.clip_grad": "actor.grad_clip",
