@@ -40,6 +40,12 @@ def test_every_row_once_within_the_budget_in_as_few_micro_batches_as_it_allows(n
     assert max(sums) - min(sums) <= max(lengths)  # balanced to within a row
 
 
+def test_more_micro_batches_than_the_token_count_needs_when_rows_do_not_fit():
+    # 180 tokens fit 2 budgets of 100 by count, but no two of the rows fit one: three micro-batches.
+    assert token_budget([60, 60, 60], 100) == [[0], [1], [2]]
+    assert sorted(map(len, token_budget([60, 30, 60, 30], 100))) == [2, 2]  # 90 tokens each
+
+
 def test_a_row_longer_than_the_budget_is_one_clear_error():
     with pytest.raises(ValueError, match="row of 600 tokens .* raise actor.ppo_max_token_len_per_gpu to at least"):
         MicroBatching(use_dynamic_bsz=True, max_token_len=512).cut([100, 600, 30])
