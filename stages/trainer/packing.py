@@ -161,8 +161,10 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
             "model.use_remove_padding packs sequences with full causal attention; this model has sliding-window "
             "attention layers: set model.use_remove_padding=false"
         )
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen() is not None:
-        return _varlen_attention(query, key, value, cu_seq_lens_q, int(max_length_q), kwargs), None
+    half = _half_dtype(query)
+    if half is not None and _varlen() is not None:
+        q, k, v = (t.to(half) for t in (query, key, value))
+        return _varlen_attention(q, k, v, cu_seq_lens_q, int(max_length_q), kwargs), None
     kwargs.pop("is_causal", None)
     pieces = [
         sdpa_attention_forward(
@@ -171,6 +173,15 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
         for a, b in itertools.pairwise(cu_seq_lens_q.tolist())
     ]
     return torch.cat(pieces, dim=1), None
+
+
+def _half_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype the flash kernel runs in here: the query's, or autocast's (under autocast the rotary
+    embedding leaves the query and key in fp32); None on CPU or in fp32."""
+    if not query.is_cuda:
+        return None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _varlen():
