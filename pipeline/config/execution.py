@@ -94,6 +94,12 @@ def execution_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             "backend set model.enable_gradient_checkpointing=true instead",
         ),
         (
+            not (run.param_offload and cfg.weight_sync.mode == "push" and cfg.weight_sync.backend != "gloo"),
+            f"actor.fsdp_config.param_offload keeps the weights in CPU memory between steps, where a push reads them, "
+            f"and weight_sync.backend={cfg.weight_sync.backend} sends GPU tensors: use weight_sync.backend=gloo or "
+            "weight_sync.mode=pull, or turn param_offload off",
+        ),
+        (
             not (megatron and offload),
             "actor.fsdp_config.param_offload / optimizer_offload are the torch backend's (FSDP2); the megatron backend "
             "has no offload here: set them false",

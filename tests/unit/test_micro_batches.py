@@ -178,6 +178,7 @@ def test_verls_keys_and_their_defaults():
             "needs recompute_method .* and recompute_num_layers >= 1",
         ),
         (["trainer.backend=megatron", "actor.fsdp_config.param_offload=true"], "the megatron backend has no offload"),
+        (["actor.fsdp_config.param_offload=true", "weight_sync.backend=nccl"], "use weight_sync.backend=gloo"),
     ],
 )
 def test_bad_keys_are_one_clear_error(overrides, message):
