@@ -44,6 +44,7 @@ bench: install
 	$(PY) -m bench.prompts_1m
 	$(PY) -m bench.routes
 	$(PY) -m bench.data_parallel
+	$(PY) -m bench.trainer_efficiency
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -55,10 +55,12 @@ def _rank(rank: int, tp: int, pp: int, port: int, model_dir: str, policy: Policy
         queue.put(("losses", {"logprobs": logprobs, "steps": steps}))
 
 
-def _train(tp: int, pp: int, model_dir: str, policy: PolicySettings = POLICY) -> dict:
+def _train(tp: int, pp: int, model_dir: str, policy: PolicySettings = POLICY, target=None) -> dict:
+    """Every rank of the layout in a process of its own running `target` (default `_rank`); what they report."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, tp, pp, port, model_dir, policy, queue)) for r in range(tp * pp)]
+    args = [(r, tp, pp, port, model_dir, policy, queue) for r in range(tp * pp)]
+    procs = [ctx.Process(target=target or _rank, args=a) for a in args]
     for p in procs:
         p.start()
     result = dict(queue.get(timeout=300) for _ in range(2))
