@@ -11,6 +11,12 @@ The old logprobs of the PPO ratio are, as in verl:
   weights at the start of the step, for every mini-batch before the first update. Rollout correction
   (stages/trainer/correction.py) then weighs and masks samples by proximal / behaviour: decoupled PPO.
 
+A mini-batch is cut into micro-batches of `micro_batch_size` rows or by a token budget (`use_dynamic_bsz`,
+stages/trainer/micro_batches.py); each is right-padded or packed into one row (`model.use_remove_padding`,
+stages/trainer/packing.py), its decoder layers optionally checkpointed, and the parameters and optimizer state
+optionally parked in CPU memory between steps (stages/trainer/offload.py): ExecutionSettings, none of which changes
+the update.
+
 With `actor.router_replay.mode=R3` every forward pass of a step, the proximal one included (as verl's R3), replays
 the engine's MoE routes (stages/trainer/hf_router_replay.py).
 
@@ -137,12 +143,12 @@ class TorchTrainer:
     def _update(self, mb: Minibatch, totals: StepTotals, passes: int = 0) -> None:
         """One optimizer update; `passes`: forward/backward passes to run in all, idle ones after the real ones."""
         self.optimizer.zero_grad(set_to_none=True)
-        slices = mb.micro_batches(self.policy, at_least=passes)
-        for sl in slices:
+        micro = mb.micro_batches(self.policy, at_least=passes)
+        for sl in micro:
             res = mb.loss(self._token_logprobs, sl, self.policy, self.device)
             res.total.backward()
             totals.add_micro(res)
-        for _ in range(passes - len(slices)):
+        for _ in range(passes - len(micro)):
             (self._idle_logits().sum() * 0.0).backward()  # zero gradients, but FSDP's gathers and reductions run
         grad_norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.grad_clip)))
         if math.isfinite(grad_norm):
