@@ -15,7 +15,8 @@ The variants (one fresh TorchTrainer each, from the same weights; fp32, one opti
 - packed_budget: packed, micro-batches by a token budget of `--budget` (actor.use_dynamic_bsz);
 - packed_budget_ckpt: and activation checkpointing (model.enable_gradient_checkpointing).
 
-Measured per variant: step time, the median of `--steps` steps after a warm-up step; peak memory, over one more step:
+Measured per variant: step time, the median of `--steps` steps after a warm-up step, the variants taking their steps
+in turn (whatever else the machine runs slows them alike); peak memory, over one more step:
 the most bytes the process's malloc had in use (glibc's mallinfo2, sampled after every torch op of the forward,
 backward and update) above what it had in use when the step started (the weights, their gradients from the previous
 step freed by the step's zero_grad, the optimizer state), i.e. the activations, temporaries and new gradients.
@@ -135,7 +136,7 @@ def build(out: Path, shape: dict) -> str:
     return str(out)
 
 
-def measure(model_dir: str, rows: dict, variant: dict, args) -> dict[str, float]:
+def trainer(model_dir: str, variant: dict, args):
     from stages.trainer.torch_backend import TorchTrainer
 
     policy = PolicySettings(
@@ -145,18 +146,30 @@ def measure(model_dir: str, rows: dict, variant: dict, args) -> dict[str, float]
         ppo_max_token_len_per_gpu=args.budget,
     )
     run = ExecutionSettings(use_remove_padding=variant["packed"], enable_gradient_checkpointing=variant["ckpt"])
-    trainer = TorchTrainer(model_dir, policy, torch_threads=args.threads, execution=run)
+    out = TorchTrainer(model_dir, policy, torch_threads=args.threads, execution=run)
     if variant.get("nxn"):
-        trainer.model.set_attn_implementation("sdpa")  # transformers builds the block-diagonal N x N mask itself
-    trainer.train_step([rows])  # warm-up: the optimizer state exists from here on
-    times = []
+        out.model.set_attn_implementation("sdpa")  # transformers builds the block-diagonal N x N mask itself
+    return out
+
+
+def measure(model_dir: str, rows: dict, names: list[str], args) -> dict[str, dict[str, float]]:
+    """Each variant's median step time, the variants' steps taken in turn (so that whatever else the machine does
+    slows them alike), then each one's peak memory over one more step."""
+    trainers = {name: trainer(model_dir, VARIANTS[name], args) for name in names}
+    for t in trainers.values():
+        t.train_step([rows])  # warm-up: the optimizer state exists from here on
+    times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.steps):
-        start = time.perf_counter()
-        trainer.train_step([rows])
-        times.append(time.perf_counter() - start)
-    with PeakMemory() as memory:
-        trainer.train_step([rows])
-    return {"step_s": statistics.median(times), "peak_mb": memory.peak / 2**20}
+        for name, t in trainers.items():
+            start = time.perf_counter()
+            t.train_step([rows])
+            times[name].append(time.perf_counter() - start)
+    out = {}
+    for name, t in trainers.items():
+        with PeakMemory() as memory:
+            t.train_step([rows])
+        out[name] = {"step_s": statistics.median(times[name]), "peak_mb": memory.peak / 2**20}
+    return out
 
 
 def computed_tokens(rows: dict, policy: PolicySettings, packed: bool) -> int:
@@ -191,10 +204,11 @@ def main(argv: list[str] | None = None) -> dict:
             model_dir = build(Path(tmp) / name, MODELS[name])
             print(f"\n{name} ({MODELS[name]}), {args.threads} threads")
             print(f"{'variant':<20}{'computed tok':>13}{'step s':>9}{'x padded':>10}{'peak MiB':>10}{'x padded':>10}")
-            for variant in args.variants.split(","):
-                spec = VARIANTS[variant]
-                res = measure(model_dir, rows, spec, args)
-                base = results.get((name, "padded"), res)
+            names = args.variants.split(",")
+            measured = measure(model_dir, rows, names, args)
+            base = measured.get("padded", measured[names[0]])
+            for variant in names:
+                spec, res = VARIANTS[variant], measured[variant]
                 res["step_ratio"], res["peak_ratio"] = res["step_s"] / base["step_s"], res["peak_mb"] / base["peak_mb"]
                 policy = PolicySettings(
                     micro_batch_size=args.micro, use_dynamic_bsz=spec["budget"], ppo_max_token_len_per_gpu=args.budget
