@@ -18,8 +18,8 @@ The variants (one fresh TorchTrainer each, from the same weights; fp32, one opti
 Measured per variant: step time, the median of `--steps` steps after a warm-up step, the variants taking their steps
 in turn (whatever else the machine runs slows them alike); peak memory, over one more step:
 the most bytes the process's malloc had in use (glibc's mallinfo2, sampled after every torch op of the forward,
-backward and update) above what it had in use when the step started (the weights, their gradients from the previous
-step freed by the step's zero_grad, the optimizer state), i.e. the activations, temporaries and new gradients.
+backward and update) above what it had in use when the step started (the weights, the optimizer state and the previous
+step's gradients, which the step frees and allocates again), i.e. the activations and the temporaries.
 Ratios are against `padded` of the same model. Targets (2 cores): packed_budget at most 0.5x padded's step time,
 packed_budget_ckpt at most 0.5x padded's peak memory.
 
