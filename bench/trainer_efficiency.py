@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import tempfile
 import time
@@ -67,11 +68,16 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
-def _malloc_in_use() -> int:
-    """Bytes glibc's malloc has handed out and not taken back: in its arenas and in mmapped blocks."""
+@functools.cache
+def _mallinfo2():
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
+    return libc.mallinfo2
+
+
+def _malloc_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not taken back: in its arenas and in mmapped blocks."""
+    info = _mallinfo2()()
     return info.uordblks + info.hblkhd
 
 
