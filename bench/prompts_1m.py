@@ -110,14 +110,12 @@ class Admissions:
 
 def pull(path: Path, model_dir: Path, out: Path, total: int, n_blocks: int = 5, still_s: float = 20.0) -> dict:
     """The first blocks through Ray Data's input, admitted as the gate would; then how far the read got ahead."""
-    import threading
-
     import ray
-    from ray.data._internal.execution.streaming_executor import StreamingExecutor
 
     from pipeline.config import load_config
     from pipeline.prepare import start_ray
-    from pipeline.stream import configure_data_context, prompt_dataset, wait_for_executors
+    from pipeline.stream import configure_data_context, prompt_dataset
+    from stages.ray_internals import executor_metrics, wait_for_data_threads
 
     source = build_source(path, model_dir, total)
     expected = [b for _, b in zip(range(n_blocks), source.blocks(), strict=False)]
@@ -133,11 +131,10 @@ def pull(path: Path, model_dir: Path, out: Path, total: int, n_blocks: int = 5, 
         first += [next(batches) for _ in range(n_blocks - 1)]
         ray.get(clock.admit.remote(sum(b.num_rows for b in first)))  # as the gate would
         time.sleep(still_s)
-        executor = next(t for t in threading.enumerate() if isinstance(t, StreamingExecutor))
-        ops = {op.name.split("[")[0]: op.metrics for op in executor._topology}
+        ops = executor_metrics()
         read, cut = ops["ReadPrompts"], ops["StreamingRepartition"]
         batches.close()
-        wait_for_executors(timeout_s=30)
+        wait_for_data_threads(timeout_s=30)
     finally:
         ray.shutdown()
     return {

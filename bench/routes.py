@@ -21,19 +21,20 @@ from pathlib import Path
 PROMPTS, TOKENS, ROUNDS = 64, 128, 8
 
 
-def rounds(gen, prompts: list[list[int]]) -> dict[bool, list[float]]:
+def rounds(replica, prompts: list[list[int]]) -> dict[bool, list[float]]:
     """Tokens per second of each round, by whether capture was on; rounds alternate, the first of each uncounted."""
-    capture = gen.route_capture
+    engine = replica.engine
+    capture = engine.route_capture
 
     async def one_round(tag: str) -> float:
         start = time.perf_counter()
-        segs = await asyncio.gather(*(gen.segment(p, TOKENS, f"{tag}-{i}") for i, p in enumerate(prompts)))
+        segs = await asyncio.gather(*(replica.segment(p, TOKENS, f"{tag}-{i}") for i, p in enumerate(prompts)))
         return sum(len(s.tokens) for s in segs) / (time.perf_counter() - start)
 
     def measure(on: bool, tag: str) -> float:
-        gen.route_capture = capture if on else None
-        gen._run(gen.engine.collective_rpc("start_route_capture" if on else "stop_route_capture"))
-        return gen._run(one_round(tag))
+        engine.route_capture = capture if on else None
+        replica.run(engine.llm.collective_rpc("start_route_capture" if on else "stop_route_capture"))
+        return replica.run(one_round(tag))
 
     measure(True, "warm-on")
     measure(False, "warm-off")
@@ -66,7 +67,7 @@ def main() -> None:
         routed_experts_capture="hook",
     )
     rows = pq.read_table(task.data_file).to_pylist()[:PROMPTS]
-    rates = rounds(gen, [tokenizer(r["prompt_text"], add_special_tokens=False)["input_ids"] for r in rows])
+    rates = rounds(gen.replica, [tokenizer(r["prompt_text"], add_special_tokens=False)["input_ids"] for r in rows])
     del gen  # the engine shuts down now, not while the interpreter exits
     gc.collect()
     on, off = statistics.median(rates[True]), statistics.median(rates[False])

@@ -1,7 +1,7 @@
-"""Weight-sync throughput: the trainer's BroadcastWeightSync (gloo) pushing to an engine-side WeightReceiver in another
+"""Weight-sync throughput: the trainer's BroadcastSender (gloo) pushing to an engine worker's WeightReceiver in another
 process, for models of ~1M to ~100M parameters, next to this machine's memory-copy bandwidth for the same tensors.
 
-Both ends are the pipeline's code (stages/trainer/weight_sync.py, stages/vllm_worker.py); only vLLM's
+Both ends are the pipeline's code (stages/transports/broadcast.py, stages/engines/vllm_worker.py); only vLLM's
 `reload_weights` is replaced by a copy into preallocated buffers, so the figure is the transport's. Then a model of
 small tensors (the embedded job's: 27 tensors, 1.9 MB), pushed as a run pushes it (small tensors packed into one
 broadcast) against one push per tensor (one broadcast each, as before the packing).
@@ -48,7 +48,7 @@ class _Runner:
 
 
 def _engine(host: str, port: int, shapes: list[list[int]], rounds: int, one_by_one: bool) -> None:
-    from stages.vllm_worker import WeightReceiver, repack_cpu_experts
+    from stages.engines.vllm_worker import WeightReceiver, repack_cpu_experts
 
     torch.set_num_threads(1)
     repack_cpu_experts(torch.nn.Module())  # its vLLM imports (seconds) before the clock starts, not in a push
@@ -64,23 +64,24 @@ def _engine(host: str, port: int, shapes: list[list[int]], rounds: int, one_by_o
 
 def measure(shapes: list[list[int]], one_by_one: bool = False) -> tuple[float, float, float]:
     """(bytes, seconds per push, seconds per memory copy of the same tensors); `one_by_one`: a push per tensor."""
-    from stages.trainer.weight_sync import BroadcastWeightSync
+    from stages.transports.broadcast import BroadcastSender
 
     tensors = [torch.randn(s) for s in shapes]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    sync = BroadcastWeightSync()
+    sync = BroadcastSender()
     group = sync.open(2)
-    args = (group["host"], group["port"], shapes, REPEATS + 1, one_by_one)
+    args = (group.host, group.port, shapes, REPEATS + 1, one_by_one)
     engine = mp.get_context("spawn").Process(target=_engine, args=args)
     engine.start()
     sync.wait_open()
-    pushes = [[t] for t in tensors] if one_by_one else [tensors]
+    named = [(f"w{i}", t) for i, t in enumerate(tensors)]
+    pushes = [[w] for w in named] if one_by_one else [named]
     for push in pushes:  # warm-up: connections and the receiver's first allocations
-        sync.push(push)
+        sync.send(push)
     start = time.perf_counter()
     for _ in range(REPEATS):
         for push in pushes:
-            sync.push(push)
+            sync.send(push)
     push_s = (time.perf_counter() - start) / REPEATS
     engine.join(120)
     if engine.exitcode != 0:

@@ -27,10 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ports", type=json.loads, required=True, help="local_cluster.Ports as a JSON object")
     args = parser.parse_args(argv)
 
-    from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
-    from ray._private.node import Node
-    from ray._private.parameter import RayParams
+    from stages.ray_internals import worker_node_classes
 
+    Node, RayParams, ensure_token_if_auth_enabled = worker_node_classes()
     p = args.ports
     params = RayParams(
         gcs_address=args.address,

@@ -17,9 +17,9 @@ from pipeline.config import ConfigError
 from pipeline.observe.audit import audit
 from pipeline.observe.faults import FaultLog
 from pipeline.observe.summary import format_summary, summarize
-from pipeline.stream import wait_for_executors
 from pipeline.tasks.source import PromptDataError
 from schemas import ADMITTED_SCHEMA
+from stages import ray_internals
 
 
 def finish_run(ctx, clock, sink) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def finish_run(ctx, clock, sink) -> dict[str, Any]:
     )
     outstanding = ray.get(clock.stats.remote())["outstanding"]
     sink.close()
-    wait_for_executors()  # before ray.shutdown(): see there
+    ray_internals.wait_for_data_threads()  # before ray.shutdown(): see there
     report = audit(ctx.run_dir)
     (ctx.run_dir / "audit.txt").write_text(report.table() + "\n")
     summary = summarize(ctx.run_dir, report)
@@ -62,7 +62,7 @@ def trainer_death(err: BaseException, trainer) -> str | None:
     """What died, if `err` says the trainer actor (or, through its calls, one of its ranks) died; else None."""
     if trainer is None:
         return None
-    if isinstance(err, ray.exceptions.RayActorError) and err.actor_id == trainer._actor_id.hex():
+    if isinstance(err, ray.exceptions.RayActorError) and err.actor_id == ray_internals.actor_id(trainer):
         # An error raised in its constructor is a failed start, which a restart would repeat: reported as it is.
         return None if err.actor_init_failed else "the trainer actor died"
     if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, ray.exceptions.RayActorError):
@@ -70,12 +70,13 @@ def trainer_death(err: BaseException, trainer) -> str | None:
     return None
 
 
-def restart_or_raise(ctx, err: Exception, restarts: int):
-    """After `err` ended an attempt: the config of the next attempt if the trainer died and can restart from a
-    checkpoint; else bad input as it is (the CLI reports it as at start-up), or RunFailed naming what failed."""
+def restart_or_raise(ctx, err: Exception, restarts: int, trainer=None):
+    """After `err` ended an attempt: the config of the next attempt if `trainer` (the attempt's trainer actor) died
+    and can restart from a checkpoint; else bad input as it is (the CLI reports it as at start-up), or RunFailed
+    naming what failed."""
     if isinstance(err, (ConfigError, PromptDataError)):
         raise err
-    cause = trainer_death(err, ctx.trainer)
+    cause = trainer_death(err, trainer)
     if cause is None:
         raise failure(ctx, err) from err
     return restart_from_checkpoint(ctx, cause, restarts)

@@ -24,30 +24,30 @@ from pipeline.config import ConfigError, RunConfig, to_yaml
 from pipeline.config.checks import check_engine_heads
 from pipeline.config.placement import Placement
 from pipeline.observe.monitor import Monitor, make_monitor
-from pipeline.stream import check_layout, wait_for_executors
+from pipeline.stream import check_layout
 from pipeline.tasks.admission import AdmissionOrder, PromptSource
 from pipeline.tasks.source import PromptDataError, PromptFile, load_prompts
+from stages import ray_internals
 from stages.staleness import StalenessBudget
 
+CLOCK_NAME = "version_clock"  # the VersionClock's actor name, in the run's own namespace
 
-@dataclass
+
+@dataclass(frozen=True)
 class RunContext:
+    """What `prepare` established before anything of the stream starts; frozen, complete when it returns."""
+
     cfg: RunConfig
     run_dir: Path
     model_dir: Path
     source: PromptSource  # the stream's prompts, laid out lazily (pipeline/tasks/admission.py)
     namespace: str
     monitor: Monitor
-    started_ray: bool = False
-    clock_handle: tuple[str, str] = ("", "")
+    placement: Placement  # where the actors go (ray.placement), checked against the cluster
+    started_ray: bool = False  # this run started the local Ray it uses (and ends it)
     resumed: Checkpoint | None = None  # the checkpoint this attempt continues from
     optimizer_state: Path | None = None
     val_prompts: pa.Table | None = None  # held-out prompts (pipeline/validate.py)
-    stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
-    clock: Any = None  # the actors this attempt started, ended with it on a cluster that outlives the run
-    trainer: Any = None
-    trainer_group: Any = None  # the placement group of a trainer over several nodes (pipeline/trainer_launch.py)
-    placement: Placement = Placement()  # where the actors go (ray.placement), checked against the cluster
 
     @property
     def start_step(self) -> int:
@@ -61,36 +61,53 @@ class RunContext:
     def checkpoint_root(self) -> str:
         return checkpoint.root_of(self.cfg.trainer.checkpoint_dir, self.run_dir)
 
-    def start_clock(self, budget: StalenessBudget):
-        name = "version_clock"
-        clock = (
-            ray.remote(VersionClock)
-            .options(
-                name=name,
-                namespace=self.namespace,
-                num_cpus=0,
-                max_concurrency=1000,
-                resources=self.placement.head_resources(),  # beside the driver and the gate that call it
-            )
-            .remote(
-                budget,
-                self.cfg.rollout.num_replicas,
-                self.start_version,
-                self._prior_admissions(),
-                self.cfg.rollout.engine_max_restarts,
-            )
-        )
-        self.clock_handle, self.clock = (name, self.namespace), clock
-        return clock
+    @property
+    def clock_handle(self) -> tuple[str, str]:
+        """The VersionClock's (name, namespace), by which stages find it (stages.control.ClockLink)."""
+        return CLOCK_NAME, self.namespace
 
-    def _prior_admissions(self) -> list[tuple[str, int, float]]:
+    def prior_admissions(self) -> list[tuple[str, int, float]]:
         if self.resumed is None:
             return []
         ledger = self.resumed.ledger
         return list(zip(*(ledger[c].to_pylist() for c in ledger.column_names), strict=True))
 
+
+@dataclass
+class Attempt:
+    """What one attempt of the run started as it goes, to be ended with it (`shutdown`): on a cluster that outlives
+    the run, a restarted attempt reuses the actors' names."""
+
+    ctx: RunContext
+    clock: Any = None
+    trainer: Any = None
+    trainer_group: Any = None  # the placement group of a trainer over several nodes (pipeline/trainer_launch.py)
+    stream: Any = None  # the stream's consumer (stages.sink.TrainingSink), closed before Ray stops
+
+    def start_clock(self, budget: StalenessBudget):
+        ctx = self.ctx
+        name, namespace = ctx.clock_handle
+        self.clock = (
+            ray.remote(VersionClock)
+            .options(
+                name=name,
+                namespace=namespace,
+                num_cpus=0,
+                max_concurrency=1000,
+                resources=ctx.placement.head_resources(),  # beside the driver and the gate that call it
+            )
+            .remote(
+                budget,
+                ctx.cfg.rollout.num_replicas,
+                ctx.start_version,
+                ctx.prior_admissions(),
+                ctx.cfg.rollout.engine_max_restarts,
+            )
+        )
+        return self.clock
+
     def stop_ray(self) -> None:
-        if self.started_ray and ray.is_initialized():
+        if self.ctx.started_ray and ray.is_initialized():
             ray.shutdown()
         elif ray.is_initialized():  # a cluster that goes on: end what this attempt started (a restart reuses names)
             for actor in (self.trainer, self.clock):
@@ -106,10 +123,10 @@ class RunContext:
         try:
             if self.stream is not None and ray.is_initialized():
                 self.stream.close()
-                wait_for_executors(timeout_s=20.0)
+                ray_internals.wait_for_data_threads(timeout_s=20.0)
             self.stop_ray()
         finally:
-            self.monitor.close("FAILED")
+            self.ctx.monitor.close("FAILED")
 
 
 # What a run that trained leaves in its directory; a directory with only config.yaml, model/ or data/ is one whose
@@ -263,11 +280,11 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address:
         if _on_loopback(address):  # else Ray looks for this machine's nodes at its routable address, and waits
-            _keep_ray_on_loopback()
+            ray_internals.keep_ray_on_loopback()
         ray.init(address=address, runtime_env={"env_vars": _not_set_by_job(env_vars)}, log_to_driver=False)
-        _no_second_ray()
+        ray_internals.no_auto_connect()
         return False
-    _keep_ray_on_loopback()
+    ray_internals.keep_ray_on_loopback()
     ray.init(
         address="local",  # a new local instance: never join a `ray start` cluster found on this machine
         num_cpus=cfg.ray.num_cpus,
@@ -277,26 +294,14 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
         log_to_driver=os.environ.get("ASYNCRL_WORKER_LOGS") == "1",
         _temp_dir=os.environ.get("ASYNCRL_RAY_TMP"),
     )
-    _no_second_ray()
+    ray_internals.no_auto_connect()
     return True
-
-
-def _no_second_ray() -> None:
-    """A Ray call in this process after the run's ray.shutdown() (a late library thread, a finaliser) would start a
-    fresh local Ray by itself and could hang the exit; with auto-connect off it raises instead. Ray reads the switch
-    from the environment at import, so the module's flag is set too."""
-    from ray._private import auto_init_hook
-
-    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
-    auto_init_hook.enable_auto_connect = False
 
 
 def _not_set_by_job(env_vars: dict[str, str]) -> dict[str, str]:
     """Inside a Ray job, ray.init merges its runtime env with the job's and refuses a variable that both set: the
     submitter's value wins, ours is left out. Ray passes the job's runtime env to its driver in this variable."""
-    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
-
-    job_config = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    job_config = json.loads(os.environ.get(ray_internals.job_env_vars()) or "{}")
     taken = (job_config.get("runtime_env") or {}).get("env_vars") or {}
     return {k: v for k, v in env_vars.items() if k not in taken}
 
@@ -312,16 +317,6 @@ def _on_loopback(address: str) -> bool:
     """Whether a cluster address (`host:port`, `ray://host:port`) names this machine's loopback."""
     host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     return host == "localhost" or host == "::1" or host.startswith("127.")
-
-
-def _keep_ray_on_loopback() -> None:
-    """Ray resolves 127.0.0.1 to the host's routable address and then listens on every interface. Its
-    single-machine switch keeps the node, and so every Ray server, on loopback. The switch is read when `ray` is
-    imported, so it is set both for the processes Ray starts (environment) and for this one (the constant)."""
-    from ray._private import ray_constants
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def prepare(cfg: RunConfig) -> RunContext:
@@ -353,10 +348,10 @@ def prepare(cfg: RunConfig) -> RunContext:
     except BaseException:
         monitor.close("FAILED")
         raise
-    ctx = RunContext(cfg, run_dir, model_dir, source, f"asyncrl-{run_dir.name}", monitor, started_ray=started)
-    ctx.placement = where
-    ctx.resumed, ctx.optimizer_state, ctx.val_prompts = resumed, optimizer_state, val_prompts
-    return ctx
+    namespace = f"asyncrl-{run_dir.name}"
+    return RunContext(
+        cfg, run_dir, model_dir, source, namespace, monitor, where, started, resumed, optimizer_state, val_prompts
+    )
 
 
 def _checked_layout(cfg: RunConfig, started_ray: bool) -> Placement:

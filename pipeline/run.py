@@ -18,10 +18,11 @@ from pipeline.config import RunConfig
 from pipeline.finish import finish_run, interrupted, restart_or_raise
 from pipeline.observe.faults import FaultLog
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
-from pipeline.prepare import RunContext, prepare
+from pipeline.prepare import Attempt, RunContext, prepare
 from pipeline.stream import build_stream, configure_data_context, placement, step_transform
 from pipeline.trainer_launch import start_trainer
 from pipeline.validate import make_validator
+from stages import ray_internals
 from stages.handoff import ByReference, TokenTables
 from stages.sink import TrainingSink
 from stages.staleness import StalenessBudget, mode_name
@@ -31,22 +32,23 @@ def run(cfg: RunConfig) -> dict:
     restarts = 0
     while True:
         ctx: RunContext = prepare(cfg)  # run dir, monitor, model (embedded + warm start), validated prompts, Ray
+        attempt = Attempt(ctx)  # the actors this attempt starts, ended with it
         try:
-            return _loop(cfg, ctx, restarts)
+            return _loop(cfg, ctx, attempt, restarts)
         except KeyboardInterrupt:
             raise interrupted(ctx) from None  # what was done, the monitor's run KILLED, how to resume
         except Exception as err:
-            cfg = restart_or_raise(ctx, err, restarts)  # a dead trainer: resume=true from its checkpoint
+            cfg = restart_or_raise(ctx, err, restarts, attempt.trainer)  # a dead trainer: resume from its checkpoint
             restarts += 1
         finally:
-            ctx.shutdown()  # also on errors: a Ray we started must not outlive the run, the monitor marks it failed
+            attempt.shutdown()  # also on errors: a Ray we started must not outlive the run, the monitor marks it failed
 
 
-def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
+def _loop(cfg: RunConfig, ctx: RunContext, attempt: Attempt, restarts: int) -> dict:
     at = cfg.async_training
     budget = StalenessBudget.from_config(cfg)
-    clock = ctx.start_clock(budget)
-    trainer = ctx.trainer = start_trainer(ctx)
+    clock = attempt.start_clock(budget)
+    trainer = attempt.trainer = start_trainer(ctx, attempt)
     configure_data_context(cfg.ray.no_progress_timeout_s)
     tables = TokenTables.start(placement(cfg).head_resources())  # holds per-token tables until the driver takes them
     stream = build_stream(
@@ -60,7 +62,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
         lambda v: ray.get(clock.outstanding_at_or_before.remote(v)),
         step_transform(cfg),  # reinforce_plus_plus*: whitened over the step, as verl does over its batch
     )
-    ctx.stream = sink  # closed before Ray stops, whatever ends the run
+    attempt.stream = sink  # closed before Ray stops, whatever ends the run
     monitor = ctx.monitor
     total_steps, k = cfg.rollout.total_rollout_steps // budget.required_samples, at.trigger_parameter_sync_step
     print(
@@ -69,7 +71,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, restarts: int) -> dict:
         flush=True,
     )
     version, started, counters = ctx.start_version, time.monotonic(), FullyAsyncCounters()
-    faults = FaultLog(ctx.run_dir, restarts, ray.get(trainer.__ray_call__.remote(lambda _: os.getpid())))
+    faults = FaultLog(ctx.run_dir, restarts, ray.get(ray_internals.call_on_actor(trainer, lambda _: os.getpid())))
     syncer = sync.make_syncer(cfg, trainer, clock, ctx.run_dir)  # push (verl) or pull (a parameter store)
     validator = make_validator(cfg, ctx, clock, trainer)  # held-out prompts at sync points
     try:

@@ -11,28 +11,27 @@ plain constructor arguments.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
-from ray.data._internal.execution import metadata_fetcher, streaming_executor_state
 from ray.exceptions import UserCodeException
 
-from pipeline.config import ConfigError, RunConfig, check_signature, import_target, stage_kwargs
+from pipeline.config import ConfigError, RunConfig, bind, stage_class
 from pipeline.config.execution import reference_options
-from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, split_actors
+from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, reference_gpus, split_actors
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
 from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
 from pipeline.tasks.source import PromptDataError
-from stages.advantage import ESTIMATORS, whiten_step
+from stages import ray_internals
+from stages.advantage import ESTIMATORS, GRPOAdvantage, ReinforcePlusPlusAdvantage, whiten_step
 from stages.gate import StalenessGate
 from stages.handoff import SplitTokens, TokenTables
 from stages.sample_log import SampleLog
@@ -49,81 +48,78 @@ def configure_data_context(no_progress_timeout_s: float) -> None:
     ctx.execution_no_progress_timeout_s = no_progress_timeout_s  # -1: a gate blocked through a long step is fine
     ctx.enable_progress_bars = False  # the driver shows one bar for the whole run
     ctx.print_on_execution_start = False
-    # Ray Data's scheduling loop moves a finished block on only once every task in flight has finished or 0.1 s has
-    # passed; with a gate or an engine call always pending, that is 0.1 s per hop between stages. 0.02 s took the
-    # stream from a block's generation to the driver in 0.19 s instead of 0.45 s (bench.overhead, 8 prompts per
-    # call); shorter polls spin the driver's CPU and were slower on 2 cores. tests/unit checks the name still exists.
-    streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = SCHEDULING_WAIT_S
-    # By default a finished block's metadata is fetched on a thread of its own and the block moves on only at the
-    # loop's next round: one more wait per hop. Fetched in the loop (a small object already local: about a ms), it
-    # moves on in the round that found it: the driver had a block 15 ms after its engine call returned instead of
-    # 37 (tenth percentile) and the trainer idle 0.44 instead of 0.48 (the embedded job, one run each). Read when the
-    # stream's executor starts, so setting it here covers every stream of this process.
-    metadata_fetcher._PREFETCH_ON_THREAD = False
-
-
-def _construct(spec: dict[str, Any], key: str, provided: dict[str, Any]) -> tuple[type, dict[str, Any]]:
-    """The stage class and its keywords: what the wiring provides, as far as the class takes it, plus the spec's."""
-    target, extra = stage_kwargs(spec, key)
-    cls = import_target(target, key)
-    check_signature(cls, extra, key, provided=set(provided))
-    params = inspect.signature(cls.__init__).parameters
-    return cls, {**{k: v for k, v in provided.items() if k in params}, **extra}
+    # With a gate or an engine call always pending, Ray Data's scheduling loop waits its full 0.1 s at every hop
+    # between stages; and by default it fetches a finished block's metadata one round later, on a thread. Both
+    # shortened: docs/benchmarks.md has what each saved (bench.overhead, the embedded job).
+    ray_internals.shorten_scheduling_wait(SCHEDULING_WAIT_S)
+    ray_internals.fetch_metadata_in_loop()
 
 
 def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], version: int) -> tuple[type, dict]:
-    """The Generate stage's class and keywords. `version` labels model_dir."""
+    """The generate stage's class and arguments: what its kind takes from the config (SimGenerate: the simulated
+    workload; VLLMGenerate, and a class put in its place: the engine's) plus the spec's own keywords, all checked
+    against its constructor here (pipeline.config.bind). `version` labels model_dir."""
+    from stages.sim.generate import SimGenerate
+
+    cls, extra = stage_class(cfg.stages.generate, "stages.generate")
     clock_name, namespace = clock
-    ro = cfg.rollout
-    return _construct(
-        cfg.stages.generate,
-        "stages.generate",
-        {
+    ro, at = cfg.rollout, cfg.async_training
+    wiring: dict[str, Any] = {
+        "clock_name": clock_name,
+        "namespace": namespace,
+        "n": ro.n,
+        "max_tokens": cfg.data.max_response_length,
+        "initial_version": version,
+        # verl: partial rollout only takes effect with staleness; otherwise in-flight requests drain at a sync
+        "pause_mode": at.partial_rollout_mode if at.partial_rollout and at.staleness_threshold > 0 else "wait",
+    }
+    if issubclass(cls, SimGenerate):
+        wiring["sim"] = dataclasses.asdict(cfg.sim)
+    else:
+        wiring |= {
             "model_dir": model_dir,
-            "initial_version": version,
-            "clock_name": clock_name,
-            "namespace": namespace,
-            "n": ro.n,
-            "max_tokens": cfg.data.max_response_length,
             "temperature": ro.temperature,
             "top_p": ro.top_p,
             "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
             "kv_cache_gb": ro.kv_cache_gb,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
+            "dtype": ro.dtype,
             "seed": cfg.trainer.seed,
-            "sim": dataclasses.asdict(cfg.sim),  # for the simulated engine
             "default_agent_loop": ro.agent.default_agent_loop,
             "multi_turn": dataclasses.asdict(ro.multi_turn),
             "enable_rollout_routing_replay": ro.enable_rollout_routing_replay,
             "routed_experts_capture": ro.routed_experts_capture,
-            # verl: partial rollout only takes effect with staleness; otherwise in-flight requests drain at a sync
-            "pause_mode": cfg.async_training.partial_rollout_mode
-            if cfg.async_training.partial_rollout and cfg.async_training.staleness_threshold > 0
-            else "wait",
-        },
-    )
+        }
+    return cls, bind(cls, "stages.generate", wiring, extra)
 
 
 def advantage_stage(cfg: RunConfig) -> tuple[type, dict]:
-    """The advantage stage's class and keywords: algorithm.adv_estimator's class, unless `stages.advantage._target_`
-    names one (a user's own estimator wins)."""
+    """The advantage stage's class and arguments: algorithm.adv_estimator's class, unless `stages.advantage._target_`
+    names one (a user's own estimator wins). Every estimator gets the group size, and the KL settings when the
+    reward pays a KL; GRPO its std switch, REINFORCE++ its discount."""
     alg = cfg.algorithm
     spec = {"_target_": ESTIMATORS[alg.adv_estimator], **cfg.stages.advantage}
-    provided = {
-        "group_size": cfg.rollout.n,
-        "norm_by_std": alg.norm_adv_by_std_in_grpo,
-        "gamma": alg.gamma,
-        "kl_in_reward": alg.use_kl_in_reward,
-        "kl_coef": alg.kl_ctrl.kl_coef,
-        "kl_penalty": alg.kl_penalty,
-    }
-    cls, kwargs = _construct(spec, "stages.advantage", provided)
-    if alg.use_kl_in_reward and "kl_in_reward" not in kwargs:
+    cls, extra = stage_class(spec, "stages.advantage")
+    if alg.use_kl_in_reward and "kl_in_reward" not in inspect.signature(cls).parameters:
         raise ConfigError(
             f"algorithm.use_kl_in_reward needs an advantage stage that takes `kl_in_reward`; {spec['_target_']} "
             "does not: subclass stages.advantage.AdvantageStage, or set algorithm.use_kl_in_reward=false"
         )
-    return cls, kwargs
+    wiring: dict[str, Any] = {"group_size": cfg.rollout.n}
+    if alg.use_kl_in_reward:
+        wiring |= {"kl_in_reward": True, "kl_coef": alg.kl_ctrl.kl_coef, "kl_penalty": alg.kl_penalty}
+    if issubclass(cls, GRPOAdvantage):
+        wiring["norm_by_std"] = alg.norm_adv_by_std_in_grpo
+    if issubclass(cls, ReinforcePlusPlusAdvantage):
+        wiring["gamma"] = alg.gamma
+    return cls, bind(cls, "stages.advantage", wiring, extra)
+
+
+def reward_stage(cfg: RunConfig) -> tuple[type, dict]:
+    crf = cfg.custom_reward_function
+    cls, extra = stage_class(cfg.stages.reward, "stages.reward")
+    wiring = {"custom_path": crf.path, "custom_name": crf.name, "reward_kwargs": dict(crf.reward_kwargs)}
+    return cls, bind(cls, "stages.reward", wiring, extra)
 
 
 def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
@@ -174,16 +170,108 @@ def start_validation_engine(cfg: RunConfig, model_dir: str, clock: tuple[str, st
     return ray.remote(gen_cls).options(**options).remote(**gen_kwargs, validation_only=True)
 
 
-@contextlib.contextmanager
-def _restarts_by_keyword():
-    """Ray 2.60 takes an actor stage's `max_restarts` only as a keyword of map_batches, and warns that such keywords
-    are deprecated without naming a replacement for this one: silence that warning, and only it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-        yield
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the stream: what Ray Data runs, with which constructor arguments, and how (map_batches
+    keywords). `fn` is a class, built once in each of its actors with `kwargs`, or a callable run as a task, which Ray
+    Data fuses into the actor stage after it when their resources are equal."""
+
+    name: str
+    fn: Any
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        actor = isinstance(self.fn, type)
+        constructor = {"fn_constructor_kwargs": self.kwargs} if actor else {}
+        return ds.map_batches(self.fn, batch_size=None, batch_format="pyarrow", **constructor, **self.options)
 
 
-@_restarts_by_keyword()
+@dataclass(frozen=True)
+class StreamInputs:
+    """What the stages are built from besides the config."""
+
+    model_dir: str
+    run_dir: str
+    clock: tuple[str, str]  # the VersionClock's (name, namespace)
+    tables: Any  # the TokenTables actor the per-token columns go to (stages/handoff.py)
+    version: int = 0  # the weight version of model_dir
+    where: Placement = Placement()  # where the actors go (ray.placement)
+    cluster_gpus: float = 0.0
+    owners: dict[str, Any] | None = None  # TokenTables.owners, when the engines score (stages/scored_generate.py)
+
+
+def stream_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
+    """The stream's stages in order, from the config: gate, generate, [reference logprobs], reward, advantage, sample
+    log, split. Scoring runs in the engine's actor (the last four inside ScoredGenerate) unless a reference model
+    needs a stage between generation and scoring (RunConfig.scores_in_engine)."""
+    gen_cls, gen_kwargs = generate_stage(cfg, inputs.model_dir, inputs.clock, inputs.version)
+    reward_cls, reward_kwargs = reward_stage(cfg)
+    adv_cls, adv_kwargs = advantage_stage(cfg)
+    scoring = [reward_cls(**reward_kwargs), adv_cls(**adv_kwargs), SampleLog(f"{inputs.run_dir}/samples")]
+    engine = _engine_options(cfg, inputs)
+    if cfg.scores_in_engine():  # one hop fewer: the engine's actor scores, logs and splits
+        generate = {"generate": (gen_cls, gen_kwargs), "scoring": scoring, "owners": inputs.owners}
+        return [_gate(inputs), Stage("generate", ScoredGenerate, generate, engine)]
+    stages = [_gate(inputs), Stage("generate", gen_cls, gen_kwargs, engine)]
+    if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
+        ref_cls, ref_extra = stage_class(cfg.stages.ref_logprob, "stages.ref_logprob")
+        ref_wiring = {"model_dir": reference_model_dir(cfg, inputs.model_dir, inputs.run_dir), **reference_options(cfg)}
+        ref_kwargs = bind(ref_cls, "stages.ref_logprob", ref_wiring, ref_extra)
+        # A fraction of a CPU: a stage actor holding a whole CPU can deadlock a small machine.
+        ref_options = {
+            "num_cpus": 0.5,
+            "num_gpus": reference_gpus(cfg, inputs.cluster_gpus),  # it computes on a GPU it is given
+            "compute": ActorPoolStrategy(size=1),
+        }
+        stages.append(Stage("ref_logprob", ref_cls, ref_kwargs, ref_options))
+    # Task stages, fused by Ray Data into the split stage's actors (equal resources): one call per block. The split
+    # stage is an actor, not a task: the per-token tables it puts in the object store live as long as the process
+    # that put them (stages/handoff.py).
+    stages += [Stage(type(s).__name__, s, options={"num_cpus": SPLIT_CPUS}) for s in scoring]
+    split = {
+        "num_cpus": SPLIT_CPUS,
+        "resources": inputs.where.rollout_resources(),  # beside the engines
+        "compute": ActorPoolStrategy(size=split_actors(cfg)),  # fixed: see split_actors
+    }
+    return [*stages, Stage("split", SplitTokens, {"tables": inputs.tables}, split)]
+
+
+def _gate(inputs: StreamInputs) -> Stage:
+    clock_name, namespace = inputs.clock
+    options = {
+        "num_cpus": 0.1,
+        "resources": inputs.where.head_resources(),  # beside the clock it calls for every block
+        # Not restarted: a retried call would ask the clock again for prompts it already admitted. A dead gate ends
+        # the run (resume it); and Ray then has no restart to warn about.
+        "max_restarts": 0,
+        # Two calls queued at the one gate actor, which runs them one at a time and in order: the next block waits
+        # at the actor instead of in the next round of Ray Data's scheduling loop.
+        "compute": ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2),
+    }
+    return Stage("gate", StalenessGate, {"clock_name": clock_name, "namespace": namespace}, options)
+
+
+def _engine_options(cfg: RunConfig, inputs: StreamInputs) -> dict[str, Any]:
+    ro = cfg.rollout
+    return {
+        "num_cpus": 1,
+        "num_gpus": engine_gpus(cfg, inputs.cluster_gpus),
+        "resources": inputs.where.rollout_resources(),
+        # Ray restarts a replica whose process died and retries its calls there (Ray Data's default, -1: the clock
+        # enforces rollout.engine_max_restarts); 0 makes a dead replica end the run.
+        "max_restarts": -1 if ro.engine_max_restarts > 0 else 0,
+        # Both limits: Ray Data sends calls_in_flight calls to a replica, and the replica's actor runs them at once
+        # (an actor runs one call at a time unless told otherwise, even with an async __call__).
+        "compute": ActorPoolStrategy(
+            size=ro.num_replicas,
+            max_tasks_in_flight_per_actor=ro.calls_in_flight,
+            max_concurrent_calls_per_actor=ro.calls_in_flight,
+        ),
+    }
+
+
+@ray_internals.restarts_by_keyword()
 def build_stream(
     cfg: RunConfig,
     source: PromptSource,
@@ -195,84 +283,14 @@ def build_stream(
 ):
     """The lazy Ray Data dataset of scored samples, their per-token columns left in the object store with the
     `tables` actor (stages.handoff); iterate it with ByReference to run the stream. `version` labels model_dir."""
-    clock_name, namespace = clock
-    ro = cfg.rollout
-    gen_cls, gen_kwargs = generate_stage(cfg, model_dir, clock, version)
-    crf = cfg.custom_reward_function
-    reward_cls, reward_kwargs = _construct(
-        cfg.stages.reward,
-        "stages.reward",
-        {"custom_path": crf.path, "custom_name": crf.name, "reward_kwargs": dict(crf.reward_kwargs)},
-    )
-    adv_cls, adv_kwargs = advantage_stage(cfg)
     where = placement(cfg)
-
+    owners = TokenTables.owners(tables, where.rollout) if cfg.scores_in_engine() else None  # beside the engines
+    gpus = ray.cluster_resources().get("GPU", 0)
+    inputs = StreamInputs(model_dir, run_dir, clock, tables, version, where, gpus, owners)
     ds = prompt_dataset(source, clock)
-    ds = ds.map_batches(
-        StalenessGate,
-        fn_constructor_kwargs={"clock_name": clock_name, "namespace": namespace},
-        batch_size=None,
-        batch_format="pyarrow",
-        num_cpus=0.1,
-        resources=where.head_resources(),  # beside the clock it calls for every block
-        # Not restarted: a retried call would ask the clock again for prompts it already admitted. A dead gate ends
-        # the run (resume it); and Ray then has no restart to warn about (its "constructor arguments" error line).
-        max_restarts=0,
-        # Two calls queued at the one gate actor, which runs them one at a time and in order: the next block waits
-        # at the actor instead of in the next round of Ray Data's scheduling loop (about 0.2 s per block on 2 cores).
-        compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2),
-    )
-    engine_options = dict(
-        batch_size=None,
-        batch_format="pyarrow",
-        num_cpus=1,
-        num_gpus=engine_gpus(cfg, ray.cluster_resources().get("GPU", 0)),
-        resources=where.rollout_resources(),
-        # Ray restarts a replica whose process died and retries its calls there (Ray Data's default, -1: the clock
-        # enforces rollout.engine_max_restarts); 0 makes a dead replica end the run.
-        max_restarts=-1 if ro.engine_max_restarts > 0 else 0,
-        # Both limits: Ray Data sends calls_in_flight calls to a replica, and the replica's actor runs them at once
-        # (an actor runs one call at a time unless told otherwise, even with an async __call__).
-        compute=ActorPoolStrategy(
-            size=ro.num_replicas,
-            max_tasks_in_flight_per_actor=ro.calls_in_flight,
-            max_concurrent_calls_per_actor=ro.calls_in_flight,
-        ),
-    )
-    scoring = [reward_cls(**reward_kwargs), adv_cls(**adv_kwargs), SampleLog(f"{run_dir}/samples")]
-    if cfg.scores_in_engine():  # one hop fewer: the engine's actor scores, logs and splits (stages/scored_generate.py)
-        owners = TokenTables.owners(tables, where.rollout)  # of the tables, beside the engines
-        generate = {"generate": (gen_cls, gen_kwargs), "scoring": scoring, "owners": owners}
-        return ds.map_batches(ScoredGenerate, fn_constructor_kwargs=generate, **engine_options)
-    ds = ds.map_batches(gen_cls, fn_constructor_kwargs=gen_kwargs, **engine_options)
-    if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
-        ref_cls, ref_kwargs = _construct(
-            cfg.stages.ref_logprob,
-            "stages.ref_logprob",
-            {"model_dir": reference_model_dir(cfg, model_dir, run_dir), **reference_options(cfg)},
-        )
-        ds = ds.map_batches(
-            ref_cls,
-            fn_constructor_kwargs=ref_kwargs,
-            batch_size=None,
-            batch_format="pyarrow",
-            num_cpus=0.5,  # a fraction: a stage actor holding a whole CPU can deadlock a 2-core box
-            compute=ActorPoolStrategy(size=1),
-        )
-    # Ray Data fuses these three task stages into the split stage's actors: one call per block. An actor, not a task:
-    # the per-token tables it puts in the object store live as long as the process that put them (stages/handoff.py).
-    # (Fused only with equal resources: the same num_cpus on all four.)
-    for stage in scoring:
-        ds = ds.map_batches(stage, batch_size=None, batch_format="pyarrow", num_cpus=SPLIT_CPUS)
-    return ds.map_batches(
-        SplitTokens,
-        fn_constructor_kwargs={"tables": tables},
-        batch_size=None,
-        batch_format="pyarrow",
-        num_cpus=SPLIT_CPUS,
-        resources=where.rollout_resources(),  # beside the engines
-        compute=ActorPoolStrategy(size=split_actors(cfg)),  # fixed: see split_actors
-    )
+    for stage in stream_stages(cfg, inputs):
+        ds = stage.apply(ds)
+    return ds
 
 
 def prompt_dataset(source: PromptSource, clock: tuple[str, str] | None = None) -> ray.data.Dataset:
@@ -289,24 +307,13 @@ def prompt_dataset(source: PromptSource, clock: tuple[str, str] | None = None) -
 
     `clock`: the VersionClock's (name, namespace); without one (a benchmark) the read is not paced.
     """
-    from ray.data._internal.compute import TaskPoolStrategy
-    from ray.data._internal.logical.interfaces import LogicalPlan
-    from ray.data._internal.logical.operators import StreamingRepartition
-
     # Over the target (whatever Ray adds to nbytes), and by less than one block: a task's output of 1.5x the target
     # or more is sliced at arbitrary rows.
     join_bytes = int(1.1 * DataContext.get_current().target_max_block_size)
     datasource = _PromptDatasource(ray.put(source), join_bytes, clock)
     ds = ray.data.read_datasource(datasource, override_num_blocks=2, num_cpus=0, concurrency=1)
-    # Dataset.repartition(target_num_rows_per_block=...) takes no compute or resources: one task at a time keeps the
-    # blocks in order (and the end marker last), num_cpus=0 as above.
-    cut = StreamingRepartition(
-        target_num_rows_per_block=source.block_rows,
-        input_dependencies=[ds._logical_plan.dag],
-        compute=TaskPoolStrategy(size=1),
-        ray_remote_args={"num_cpus": 0},
-    )
-    return ray.data.Dataset._from_parent(ds, LogicalPlan(cut, ds.context))
+    # One task at a time keeps the blocks in order (and the end marker last), num_cpus=0 as above.
+    return ray_internals.repartition_in_order(ds, source.block_rows)
 
 
 class _PromptDatasource(ray.data.Datasource):
@@ -352,25 +359,3 @@ def _admission_count(clock: tuple[str, str] | None, source: PromptSource) -> Cal
 class BadPromptRow(PromptDataError, UserCodeException):
     """A bad row the stream reached. Being a UserCodeException, Ray Data reports it as the data's fault (one line, no
     internal traceback, no advice to file a Ray bug); the driver catches it as the PromptDataError it is."""
-
-
-def wait_for_executors(timeout_s: float = 120.0) -> None:
-    """Wait until Ray Data's driver-side threads have ended, after the stream's iterator was closed.
-
-    Closing the iterator shuts the executor down but joins its thread for only 2 s, and the iterator's own worker
-    threads ("iter_threaded") may still be fetching a last block. A thread that touches Ray after ray.shutdown()
-    makes Ray's core worker end the whole process with exit code 1, so every one of them is joined first.
-    """
-    import threading
-    import time
-
-    from ray.data._internal.execution.streaming_executor import StreamingExecutor
-
-    deadline = time.monotonic() + timeout_s
-    for thread in threading.enumerate():
-        if isinstance(thread, StreamingExecutor) or thread.name in _DATA_THREADS:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-# Ray Data threads in the driver that end once the iterator is closed and may touch Ray until they do.
-_DATA_THREADS = {"iter_threaded", "ray-data-metadata-prefetch"}

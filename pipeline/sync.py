@@ -29,7 +29,9 @@ from pathlib import Path
 import fsspec
 import ray
 
+from stages.control import Ack, Failed, JoinGroup, Loaded, PushWeights
 from stages.engine_busy import idle_ratio
+from stages.transports import WeightMeta
 
 TIMEOUT_S = 600.0
 
@@ -46,9 +48,8 @@ def connect(trainer, clock, members: list[int], timeout_s: float, engine_tp: int
     (`group_ranks`), the group before it, if any, closed on both sides. False if it did not form within `timeout_s`
     (a member died while joining; the others gave up too, after the same timeout)."""
     world_size, ranks = group_ranks(members, engine_tp)
-    group = ray.get(trainer.open_weight_sync.remote(world_size, timeout_s))
-    message = {"kind": "init_group", "world_size": world_size, "ranks": ranks, **group}
-    seq = ray.get(clock.post.remote(message, members))
+    address = ray.get(trainer.open_weight_sync.remote(world_size, timeout_s))
+    seq = ray.get(clock.post.remote(JoinGroup(address, world_size, ranks), members))
     try:
         ray.get(trainer.wait_weight_sync.remote())
     except ray.exceptions.RayTaskError as err:  # the trainer is alive; a member never joined
@@ -56,14 +57,14 @@ def connect(trainer, clock, members: list[int], timeout_s: float, engine_tp: int
         ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))  # the live members' rendezvous end with the same timeout
         return False
     acks = ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))
-    return not any("failed" in a for a in acks)
+    return not any(isinstance(a, Failed) for a in acks)
 
 
-def push(trainer, clock, version: int, members: list[int], meta: dict) -> tuple[list[dict], dict] | None:
+def push(trainer, clock, version: int, members: list[int], meta: WeightMeta) -> tuple[list[Ack], dict] | None:
     """Broadcast the trainer's weights as `version` to `members` (admission paused by the caller): their
     acknowledgements and the trainer's numbers, or None if the broadcast failed (a replica died during it).
     `meta`: the trainer's weight_meta (names, shapes, dtypes), the same at every sync."""
-    seq = ray.get(clock.post.remote({"kind": "sync", "version": version, **meta}, members))
+    seq = ray.get(clock.post.remote(PushWeights(version, meta), members))
     try:
         sent = ray.get(trainer.push_weights.remote())
     except ray.exceptions.RayTaskError as err:  # the trainer is alive; its broadcast was cut short
@@ -71,20 +72,19 @@ def push(trainer, clock, version: int, members: list[int], meta: dict) -> tuple[
         ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))  # the survivors' receives end with the closed group
         return None
     acks = ray.get(clock.wait_acks.remote(seq, TIMEOUT_S))
-    return None if any("failed" in a for a in acks) else (acks, sent)
+    return None if any(isinstance(a, Failed) for a in acks) else (acks, sent)
 
 
-def sync_metrics(acks: list[dict], sent: dict[str, float]) -> dict[str, float]:
-    loads = [a for a in acks if "pause_s" in a]
+def sync_metrics(loads: list[Loaded], sent: dict[str, float]) -> dict[str, float]:
     if not loads:  # every replica died during the sync: they load the snapshot when they are back
         return dict(sent)
     return {
         **sent,
-        "sync/engine_paused_s": max(a["pause_s"] + a["transfer_s"] + a["resume_s"] for a in loads),
-        "sync/pause_s": max(a["pause_s"] for a in loads),
-        "sync/transfer_s": max(a["transfer_s"] for a in loads),
-        "sync/resume_s": max(a["resume_s"] for a in loads),
-        "rollouter/idle_ratio": idle_ratio(loads),  # over the window since the previous sync, every engine
+        "sync/engine_paused_s": max(a.paused_s for a in loads),
+        "sync/pause_s": max(a.pause_s for a in loads),
+        "sync/transfer_s": max(a.transfer_s for a in loads),
+        "sync/resume_s": max(a.resume_s for a in loads),
+        "rollouter/idle_ratio": idle_ratio([a.busy for a in loads]),  # since the previous sync, every engine
     }
 
 
@@ -107,7 +107,7 @@ class Push:
         self.connect_timeout_s, self.engine_tp = connect_timeout_s, engine_tp
         self.group: dict[int, int] = {}  # the group's replicas: index -> generation
         self.started = False
-        self.meta: dict | None = None  # the trainer's weight_meta: fetched once, it never changes in a run
+        self.meta: WeightMeta | None = None  # the trainer's weight_meta: fetched once, it never changes in a run
         self.log = Path(run_dir) / "weight_loads.jsonl"
         self.snapshots = Snapshots(snapshots) if snapshots else None
 
@@ -141,11 +141,12 @@ class Push:
         else:
             raise RuntimeError(f"the weight push of version {version} failed {2 * self.num_replicas + 1} times")
         acks, sent = result
-        metrics = sync_metrics(acks, sent)
+        loads = [a for a in acks if isinstance(a, Loaded)]
+        metrics = sync_metrics(loads, sent)
         snapshot = self.snapshots.write(self.trainer, version, metrics) if self.snapshots else None
         ray.get(self.clock.finish_sync.remote(version, snapshot))
         metrics["sync/latency_s"] = metrics["sync/trainer_blocked_s"] = time.monotonic() - start
-        _log_loads(self.log, [{**a, "version": version, "loaded_at": time.time()} for a in acks])
+        _log_loads(self.log, loads)
         return metrics
 
     def collect(self, wait: bool = False) -> dict[str, float]:
@@ -219,11 +220,11 @@ class Pull:
             if acks is None:
                 break
             self.pending.pop(0)
-            loads = [a for a in acks if "pause_s" in a]  # a replica that was already newer skips the message
+            loads = [a for a in acks if isinstance(a, Loaded)]  # a replica that was already newer skips the message
             _log_loads(self.log, loads)
             if loads:
-                metrics["sync/engine_paused_s"] = max(a["pause_s"] + a["transfer_s"] + a["resume_s"] for a in loads)
-                metrics["rollouter/idle_ratio"] = idle_ratio(loads)
+                metrics["sync/engine_paused_s"] = max(a.paused_s for a in loads)
+                metrics["rollouter/idle_ratio"] = idle_ratio([a.busy for a in loads])
         return metrics
 
     def close(self) -> None:
@@ -246,10 +247,17 @@ def make_syncer(cfg, trainer, clock, run_dir: Path) -> Push | Pull:
     return Push(trainer, clock, ro.num_replicas, run_dir, snapshots, timeout_s, ro.tensor_model_parallel_size)
 
 
-def _log_loads(path: Path, loads: list[dict]) -> None:
+def _log_loads(path: Path, loads: list[Loaded]) -> None:
     with open(path, "a", encoding="utf-8") as f:
-        for load in loads:
+        for a in loads:
             f.write(
-                json.dumps({k: load[k] for k in ("replica", "version", "loaded_at", "engine_ranks") if k in load})
+                json.dumps(
+                    {
+                        "replica": a.replica,
+                        "version": a.version,
+                        "loaded_at": a.loaded_at,
+                        "engine_ranks": a.engine_ranks,
+                    }
+                )
                 + "\n"
             )

@@ -29,27 +29,28 @@ from stages.trainer.ranks import RankPlacement
 from stages.trainer.settings import PolicySettings
 
 if TYPE_CHECKING:
-    from pipeline.prepare import RunContext
+    from pipeline.prepare import Attempt, RunContext
 
 RESERVE_TIMEOUT_S = 300.0  # the layout check passed: the bundles wait only for what other jobs hold
 
 
-def start_trainer(ctx: RunContext):
-    """The trainer actor (rank 0), its backend chosen and configured from ctx.cfg."""
+def start_trainer(ctx: RunContext, attempt: Attempt):
+    """The trainer actor (rank 0), its backend chosen and configured from ctx.cfg; what it reserves on the cluster
+    is recorded on `attempt`, which ends it."""
     cfg, placement = ctx.cfg, ctx.placement
     if cfg.trainer.backend == "sim":
         from stages.sim.trainer import SimTrainer
 
-        # It only sleeps: no CPU, so it never competes with the stages for one on a 2-core box.
+        # It only sleeps: no CPU, so it never competes with the stages for one on a small machine.
         options = {"num_cpus": 0, "resources": placement.trainer_resources()}
         return ray.remote(SimTrainer).options(**options).remote(dataclasses.asdict(cfg.sim))
     Trainer, extra = _backend(ctx)
-    # Multi-rank trainers compute on GPUs when the cluster has them (rank 0 here, its peers ask for theirs).
+    # Trainers compute on GPUs when the cluster has them (rank 0 here, a multi-rank one's peers ask for theirs).
     gpus = trainer_rank_gpus(cfg, ray.cluster_resources().get("GPU", 0))
     if gpus:
         extra["gpus_per_rank"] = gpus
     options: dict = {"num_cpus": 1, "num_gpus": gpus, "resources": placement.trainer_resources()}
-    ranks = _reserve_nodes(ctx)
+    ranks = _reserve_nodes(ctx, attempt)
     if ranks is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -80,19 +81,23 @@ def _backend(ctx: RunContext) -> tuple[type, dict]:
 
         extra |= dataclasses.asdict(a.megatron) | {"data_parallel_size": megatron_data_parallel_size(cfg)}
         extra["rank_resources"] = ctx.placement.trainer_resources()
-    elif a.fsdp_config.fsdp_size > 1:
+        return Trainer, extra
+    fsdp = a.fsdp_config
+    extra |= {
+        "rollout_correction": cfg.algorithm.rollout_correction,
+        "model_dtype": fsdp.model_dtype,
+        "mixed_precision": fsdp.mixed_precision,
+    }
+    if fsdp.fsdp_size > 1:
         from stages.trainer.fsdp_backend import FSDPTrainer as Trainer
 
-        extra |= {"rollout_correction": cfg.algorithm.rollout_correction, "fsdp_size": a.fsdp_config.fsdp_size}
-        extra["rank_resources"] = ctx.placement.trainer_resources()
+        extra |= {"fsdp_size": fsdp.fsdp_size, "rank_resources": ctx.placement.trainer_resources()}
     else:
         from stages.trainer.torch_backend import TorchTrainer as Trainer
-
-        extra["rollout_correction"] = cfg.algorithm.rollout_correction
     return Trainer, extra
 
 
-def _reserve_nodes(ctx: RunContext) -> RankPlacement | None:
+def _reserve_nodes(ctx: RunContext, attempt: Attempt) -> RankPlacement | None:
     """One bundle per trainer node, reserved once per attempt (ended with it, stop_ray); None on one node."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -110,7 +115,7 @@ def _reserve_nodes(ctx: RunContext) -> RankPlacement | None:
             f"not free after {RESERVE_TIMEOUT_S:g} s: other jobs hold them, or nodes left the cluster. Nodes: "
             f"{describe_nodes(nodes_now)}"
         )
-    ctx.trainer_group = group
+    attempt.trainer_group = group
     return RankPlacement(group, trainer_ranks(ctx.cfg) // nodes)
 
 

@@ -38,6 +38,7 @@ import ray
 
 from pipeline.stream import start_validation_engine
 from pipeline.sync import store_root
+from stages.control import Ack, Failed, Validate, Validated
 from stages.reward import Reward
 
 
@@ -73,10 +74,7 @@ class Validator:
         validated version to `weight_sync.store` for it."""
         ro = cfg.rollout
         self.clock, self.prompts, self.test_freq, self.replicas = clock, prompts, ro.test_freq, ro.num_replicas
-        self.kwargs = {
-            **dataclasses.asdict(ro.val_kwargs),
-            "parallel": cfg.async_training.parallel_validate_and_rollout,
-        }
+        self.sampling, self.parallel = ro.val_kwargs, cfg.async_training.parallel_validate_and_rollout
         self.engine, self.trainer = engine, trainer
         self.store = f"{store_root(cfg.weight_sync.store, run_dir)}/validation"
         self.out = Path(run_dir) / "validation"
@@ -100,7 +98,8 @@ class Validator:
         if not self.enabled:
             return {}
         rows = self.prompts.select(["prompt_id", "prompt_ids", "prompt_text", "ground_truth", "data_source"])
-        message = {"kind": "validate", "version": version, "rows": rows.to_pylist(), **self.kwargs}
+        s = self.sampling
+        message = Validate(version, rows.to_pylist(), s.n, s.temperature, s.top_p, self.parallel)
         if self.engine is None:
             # The replicas that are members when it is posted share it: the first time, wait until all have joined
             # (they start with the stream, so never before its first batch).
@@ -113,7 +112,7 @@ class Validator:
         start = time.monotonic()
         url = f"{self.store}/version-{version:06d}.safetensors"
         ray.get(self.trainer.publish_weights.remote(url))
-        self.pending.append((self.engine.validate_version.remote({**message, "url": url}), version))
+        self.pending.append((self.engine.validate_version.remote(dataclasses.replace(message, url=url)), version))
         return {"val/trainer_blocked_s": time.monotonic() - start}
 
     def collect(self, wait: bool = False) -> dict[str, float]:
@@ -126,12 +125,15 @@ class Validator:
             if acks is None:
                 break
             self.pending.pop(0)
-            metrics = self._finish(version, [row for ack in acks for row in ack.get("samples", [])])
+            for ack in acks:
+                if isinstance(ack, Failed):  # its share is missing from the pass's metrics: say so
+                    print(f"asyncrl: validation of version {version} failed on replica {ack.replica}: {ack.error}")
+            metrics = self._finish(version, [row for ack in acks if isinstance(ack, Validated) for row in ack.samples])
             if self.engine is not None:
                 _remove(f"{self.store}/version-{version:06d}.safetensors")
         return metrics
 
-    def _acks(self, handle, wait: bool) -> list[dict[str, Any]] | None:
+    def _acks(self, handle, wait: bool) -> list[Ack] | None:
         if self.engine is not None:  # the dedicated engine's ObjectRef
             done, _ = ray.wait([handle], timeout=None if wait else 0)
             return [ray.get(handle)] if done else None
@@ -161,7 +163,7 @@ class Validator:
         table = self.score(pa.Table.from_pylist(samples))
         self.out.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, self.out / f"version-{version:06d}.parquet")
-        metrics = {**val_metrics(table.to_pylist(), self.kwargs["n"]), "val/version": float(version)}
+        metrics = {**val_metrics(table.to_pylist(), self.sampling.n), "val/version": float(version)}
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(metrics) + "\n")
         return metrics

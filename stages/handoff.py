@@ -14,12 +14,12 @@ step, as the sink did when it held everything. A table's object is freed when th
 refers to it.
 
 The stage is an actor because a table lives as long as the process that put it (its owner) and the references to
-it: a task's worker would not keep it, and Ray (2.56+) no longer lets a task name another owner. The split used to
-be a Ray task of the driver's per block: a round trip of about 0.1 s on 2 cores, serial in the driver, which at one
-prompt per block held the stream under 90 samples/s (bench.overhead).
+it: a task's worker would not keep it, and Ray does not let a task name another owner. Splitting in the stream's
+last stage keeps the driver's loop free of a round trip per block (docs/benchmarks.md, "Pipeline overhead").
 
 Ray Data's `iter_batches` would fetch every block whole into the driver; the stream is consumed here through its
-bundle iterator instead (`ByReference`), which hands over block references without fetching them.
+bundle iterator instead (`ByReference`, through stages/ray_internals.py), which hands over block references without
+fetching them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from schemas import PER_TOKEN_COLUMNS, REQUIRED_COLUMNS, TOKEN_TABLE_COLUMNS, require_columns
+from stages import ray_internals
 from stages.sample_log import block_name
 
 KEY = "sample_id"  # joins a light row to its per-token columns
@@ -149,9 +150,8 @@ class ByReference:
     The dataset's last stage is `SplitTokens(tables)`."""
 
     def __init__(self, dataset, tables) -> None:
-        # The bundle iterator with its executor, so that close() can stop the stream (Ray Data's public
-        # iter_internal_ref_bundles drops the executor: it would run on until garbage-collected).
-        self.bundles, _, self.executor = dataset._execute_to_iterator(capture_executor=False)
+        # The bundle iterator and a way to stop the stream's executor (stages.ray_internals.bundle_iterator).
+        self.bundles, self.stop = ray_internals.bundle_iterator(dataset)
         self.tables = tables
         # Ray Data may cut one task's output into several blocks: a table's reference is kept here until every one
         # of its rows has been delivered.
@@ -212,9 +212,8 @@ class ByReference:
         TokenTables and the owners it started): what they still hold are tables of prompts nothing will train on."""
         import ray
 
-        if self.executor is not None:
-            self.executor.shutdown(force=True)
-            ray.kill(self.tables)
+        self.stop()
+        ray.kill(self.tables)
 
 
 @dataclass

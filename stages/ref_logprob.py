@@ -4,7 +4,9 @@ the KL in the reward).
 Input columns:  prompt_ids, response_ids
 Output columns: input columns + ref_logprobs (list<float32>, one per response token)
 
-The model is the HF directory the run starts from, loaded once per actor in float32 on the CPU and never updated.
+The model is the HF directory the run starts from, loaded once per actor and never updated: on the GPU the actor is
+given (ray.gpus_per_reference) in bf16, as verl's forward-only reference, else on the CPU in float32; the logprobs are
+computed from float32 logits either way.
 Every response token gets a value, masked (tool-result) ones too, so the column keeps the response's length; the
 consumers mask. The logits are not divided by a temperature, as the trainer computes its own logprobs, so a KL
 between the two compares like with like. Sequences go through the model `micro_batch_size` at a time, or by a token
@@ -24,6 +26,7 @@ from stages.trainer.balance import row_tokens
 from stages.trainer.micro_batches import MicroBatching
 from stages.trainer.offload import Offload
 from stages.trainer.packing import packed_forward, use_packed_attention
+from stages.trainer.precision import compute_dtype, pick_device
 
 
 class RefLogprob:
@@ -36,13 +39,18 @@ class RefLogprob:
         use_dynamic_bsz: bool = False,
         max_token_len: int = 16384,
         param_offload: bool = False,
+        dtype: str | None = None,
+        device: str | None = None,
     ) -> None:
+        """`dtype` ('bf16', 'fp32'): the model's; None: bf16 on a GPU, fp32 on CPU. `device`: None is the GPU this
+        process sees, else the CPU."""
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(num_threads)  # a stage actor shares a few cores with the engines and the trainer
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        self.device = pick_device(device)
+        weights = compute_dtype(dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights).to(self.device)
         self.model.eval().requires_grad_(False)
-        self.device = torch.device("cpu")
         self.batching = MicroBatching(
             micro_batch_size, use_dynamic_bsz, max_token_len, "ref.log_prob_max_token_len_per_gpu"
         )
@@ -78,10 +86,11 @@ class RefLogprob:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
             attn[i, : len(s)] = 1
-        logits = self.model(input_ids=ids, attention_mask=attn).logits
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits
         out = []
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             start = len(p) - 1  # the logits at position t predict token t + 1
             logp = torch.log_softmax(logits[i, start : start + len(r)].float(), dim=-1)  # the response rows only
-            out.append(logp.gather(-1, torch.tensor(r, dtype=torch.long)[:, None]).squeeze(-1).numpy())
+            target = torch.tensor(r, dtype=torch.long, device=self.device)[:, None]
+            out.append(logp.gather(-1, target).squeeze(-1).cpu().numpy())
         return out

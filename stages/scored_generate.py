@@ -4,9 +4,9 @@ Input columns:  the generate class's (stages.generate.VLLMGenerate or a swapped 
 Output columns: stages.handoff.SplitTokens's (the light columns + schemas.TOKEN_TABLE_COLUMNS)
 
 Left to Ray Data, a generated block waits for the scheduling loop to hand it to the split stage's actors (reward,
-advantage and sample log fused in), which costs about 0.05 s per block on 2 cores (bench.overhead): on short steps,
-a third of a prompt's way from admission to the trainer. Here the engine's actor scores, logs and splits the block
-itself, so the block leaves the engine ready for the driver.
+advantage and sample log fused in): one more hop per block, a good part of a prompt's way from admission to the
+trainer on short steps (docs/benchmarks.md, "Pipeline overhead"). Here the engine's actor scores, logs and splits
+the block itself, so the block leaves the engine ready for the driver.
 
 A table put by this actor would live only as long as its process, which a dead engine takes down (Ray restarts
 the replica and runs its calls again). So the tables go to a TokenTables of the engine's node, which puts them

@@ -50,23 +50,35 @@ def batch(seed: int = 0, n: int = 3) -> tuple[list[list[int]], list[list[int]]]:
 
 
 @torch.no_grad()
-def own_routes(model_dir: Path, prompts: list, responses: list) -> list[list[list[int]]]:
-    """Each sequence's routes under the model's own routers, one sequence at a time (an engine's view): per
-    context token but the last, every MoE layer's top-k ids, layer after layer."""
+def own_routes(model_dir: Path, prompts: list, responses: list, device: str = "cpu") -> list[list[list[int]]]:
+    """Each sequence's routes under the model's own routers (fp32, on `device`), one sequence at a time (an engine's
+    view): per context token but the last, every MoE layer's top-k ids, layer after layer."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
     seen: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda _m, _i, out: seen.append(out[2])) for r in routers]
     rows = []
     for p, r in zip(prompts, responses, strict=True):
         seen.clear()
-        model(input_ids=torch.tensor([p + r]))
+        model(input_ids=torch.tensor([p + r], device=device))
         rows.append(torch.cat(seen, dim=-1)[:-1].tolist())  # (S - 1, layers * k)
     for h in hooks:
         h.remove()
     return rows
+
+
+def minibatch(prompts: list, responses: list, routes: list | None, logprobs: list | None = None) -> dict[str, list]:
+    """A mini-batch of `batch()`'s rows as the trainer takes it, with these routes (advantages 1, -1, 0.5)."""
+    return {
+        "prompt_ids": prompts,
+        "response_ids": responses,
+        "response_mask": [[1] * len(r) for r in responses],
+        "response_logprobs": logprobs or [[-1.0] * len(r) for r in responses],
+        "advantage": [1.0, -1.0, 0.5][: len(responses)],
+        "routed_experts": routes,
+    }
 
 
 def other_routes(rows: list, num_experts: int = SIZES["num_experts"]) -> list:

@@ -4,7 +4,7 @@
 
 from pipeline.config.load import CONF_DIR, DEFAULT_CONFIG, load_config, to_yaml
 from pipeline.config.schema import ConfigError, RolloutConfig, RunConfig, monitor_names
-from pipeline.config.targets import check_signature, import_target, stage_kwargs
+from pipeline.config.targets import bind, check_signature, import_target, stage_class, stage_kwargs
 
 __all__ = [
     "CONF_DIR",
@@ -12,10 +12,12 @@ __all__ = [
     "ConfigError",
     "RolloutConfig",
     "RunConfig",
+    "bind",
     "check_signature",
     "import_target",
     "load_config",
     "monitor_names",
+    "stage_class",
     "stage_kwargs",
     "to_yaml",
 ]

@@ -115,10 +115,14 @@ def megatron_data_parallel_size(cfg: RunConfig) -> int:
 
 
 def trainer_rank_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
-    """GPUs each trainer rank asks for: multi-rank trainers (Megatron, FSDP) compute on GPUs when the cluster has
-    them."""
-    ranks = cfg.trainer.backend == "megatron" or cfg.actor.fsdp_config.fsdp_size > 1
-    return cfg.ray.gpus_per_trainer_rank if ranks and cluster_gpus > 0 else 0.0
+    """GPUs each trainer rank asks for: every trainer that holds weights (Megatron, FSDP, the torch backend's single
+    rank) computes on a GPU when the cluster has them; the simulated one holds none."""
+    return cfg.ray.gpus_per_trainer_rank if cfg.trainer.backend != "sim" and cluster_gpus > 0 else 0.0
+
+
+def reference_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
+    """GPUs the reference model's actor asks for: ray.gpus_per_reference on a cluster with GPUs, else none."""
+    return cfg.ray.gpus_per_reference if cluster_gpus > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -178,7 +182,9 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
             )
         )
     if reference:
-        groups.append(_group("reference model", 1, {"CPU": 0.5}, {}, "actor.use_kl_loss, algorithm.use_kl_in_reward"))
+        ref = {"CPU": 0.5, "GPU": reference_gpus(cfg, cluster_gpus)}
+        keys = "actor.use_kl_loss, algorithm.use_kl_in_reward" + (", ray.gpus_per_reference" if ref["GPU"] else "")
+        groups.append(_group("reference model", 1, ref, {}, keys))
     return groups
 
 

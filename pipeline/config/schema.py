@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from stages.sim.workload import Workload
+from stages.trainer.precision import DTypeName, MixedPrecision
 from stages.trainer.settings import CorrectionSettings, MegatronRecompute, PolicySettings
 
 MONITORS = ("mlflow", "jsonl", "null")
@@ -115,6 +116,9 @@ class MegatronConfig:
     override_transformer_config: MegatronRecompute = field(default_factory=MegatronRecompute)
     """megatron-core's activation recompute (verl's `recompute_granularity`, `recompute_method`,
     `recompute_num_layers`, `recompute_modules` under this key)."""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """The model's dtype (verl's key): 'bfloat16' trains bf16 parameters with megatron's fp32 main weights and fp32
+    optimizer state (its distributed optimizer: a GPU only); null: bfloat16 on a GPU, float32 on CPU."""
 
 
 @dataclass
@@ -128,6 +132,11 @@ class FSDPConfig:
     moves on CPU)."""
     optimizer_offload: bool = False
     """AdamW's state in CPU memory between steps (torch backend; nothing moves on CPU)."""
+    model_dtype: DTypeName = "fp32"
+    """Dtype the weights are loaded in, updated and kept in by AdamW (verl's key): fp32 master weights by default."""
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    """Dtype of the forward and backward and of the gradient reduction (verl's key; stages/trainer/precision.py):
+    param_dtype null is bf16 on a GPU and fp32 on CPU."""
 
 
 @dataclass
@@ -231,6 +240,8 @@ class RolloutConfig:
     actor.use_dynamic_bsz."""
     log_prob_max_token_len_per_gpu: int | None = None
     """The proximal recompute's token budget per pass; null: actor.ppo_max_token_len_per_gpu."""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """The engines' dtype (verl's key): null is bfloat16 on a GPU, float32 on CPU."""
     routed_experts_capture: Literal["auto", "hook", "native"] = "auto"
     """How the engines capture routes: 'native' is vLLM's enable_return_routed_experts (needs its Model Runner V2,
     so a GPU; unverified here), 'hook' a capture function on every router in the engine worker (runs anywhere; turns
@@ -353,7 +364,11 @@ class RayConfig:
     """GPUs each vLLM engine asks Ray for, on a cluster that has GPUs (a fraction shares one: 0.5 puts an engine
     and a trainer rank on one GPU)."""
     gpus_per_trainer_rank: float = 1.0
-    """GPUs each Megatron trainer rank asks Ray for, on a cluster that has GPUs."""
+    """GPUs each trainer rank (Megatron's, FSDP's, or the torch backend's one) asks Ray for, on a cluster that has
+    GPUs; it computes on that GPU."""
+    gpus_per_reference: float = 0.0
+    """GPUs the reference model's actor asks Ray for, on a cluster that has GPUs (a fraction shares one); 0 keeps
+    the reference model on the CPU. It computes on the GPU it is given, in bf16."""
     placement: Literal["auto", "required", "anywhere"] = "auto"
     """Where the actors go (pipeline/config/placement.py). 'auto': the trainer's ranks on nodes that have the
     custom resource `trainer_resource`, the engines on nodes that have `rollout_resource`, each only if the cluster

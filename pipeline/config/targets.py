@@ -42,6 +42,28 @@ def stage_kwargs(spec: dict[str, Any], key: str) -> tuple[str, dict[str, Any]]:
     return spec["_target_"], kwargs
 
 
+def stage_class(spec: dict[str, Any], key: str) -> tuple[type, dict[str, Any]]:
+    """The class a stage spec names, imported, and the spec's own constructor keywords."""
+    target, extra = stage_kwargs(spec, key)
+    return import_target(target, key), extra
+
+
+def bind(cls: type, key: str, wiring: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`cls`'s constructor arguments: exactly what the stream gives this kind of stage (`wiring`) plus the spec's own
+    keywords, checked against the constructor now. A class that lacks one of them (a parameter renamed, say) or needs
+    one more is one ConfigError naming it, not a default taken in silence or an error inside a Ray actor."""
+    check_signature(cls, extra, key, provided=set(wiring))
+    kwargs = {**wiring, **extra}
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as err:
+        raise ConfigError(
+            f"{key}._target_ {cls.__module__}.{cls.__qualname__} does not take the arguments the stream gives it: "
+            f"{err}. It is built with {', '.join(sorted(kwargs))}."
+        ) from None
+    return kwargs
+
+
 def check_signature(cls: type, kwargs: dict[str, Any], key: str, provided: set[str] = frozenset()) -> None:
     """Fail with the nearest valid name when a configured keyword is not a constructor parameter."""
     params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]

@@ -9,12 +9,18 @@ directory and its sample logs, which MLflow does not copy (they can be large; th
 An empty `trainer.mlflow_tracking_uri` keeps everything inside the run directory (a sqlite store), so a run needs
 no server. A tracking store that cannot be reached fails the run at start-up; an MLflow error during training only
 warns once, because losing a long run to a flaky tracking server is worse than a gap in its charts.
+
+MLflow's calls during the run go through one writer thread of their own, in order: a Ctrl-C (a KeyboardInterrupt in
+the driver's main thread) then never lands inside one of them, where it would leave a sqlite store's write lock held
+by a transaction nobody ends, and the run's KILLED status could not be written.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,6 +33,8 @@ from pipeline.config import ConfigError, RunConfig, monitor_names
 # MLflow's limits: a param value holds at most 6000 characters, and one log_batch at most 100 params.
 MAX_PARAM_CHARS = 6000
 PARAMS_PER_BATCH = 100
+# How long closing waits for the writer thread to send what is queued (a hung server must not hang the driver).
+CLOSE_TIMEOUT_S = 60.0
 
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]  # MLflow's names for how a run ended
@@ -82,6 +90,9 @@ class MlflowMonitor:
                 f"a sqlite:///path/to/mlflow.db, or leave it empty for a store inside the run directory; "
                 f"or set trainer.monitor=jsonl."
             ) from err
+        self._calls: queue.Queue[tuple[str, Callable[..., Any], tuple] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write, name="mlflow-writer", daemon=True)
+        self._writer.start()
 
     def _experiment(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
@@ -109,24 +120,45 @@ class MlflowMonitor:
 
         now_ms = int(time.time() * 1000)
         batch = [Metric(key, float(value), now_ms, step) for key, value in metrics.items()]
-        self._tolerant(f"step {step}", self.client.log_batch, self.run_id, metrics=batch)
+        self._calls.put((f"step {step}", self.client.log_batch, (self.run_id, batch)))
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         for path in paths:
             if Path(path).exists():
-                self._tolerant(Path(path).name, self.client.log_artifact, self.run_id, str(path))
+                self._calls.put((Path(path).name, self.client.log_artifact, (self.run_id, str(path))))
 
     def close(self, status: RunStatus) -> None:
         if self.closed:
             return
         self.closed = True
-        self._tolerant("end of run", self.client.set_terminated, self.run_id, status)
+        self._calls.put(("end of run", self.client.set_terminated, (self.run_id, status)))
+        self._calls.put(None)
+        self._writer.join(CLOSE_TIMEOUT_S)
+        if self._writer.is_alive():
+            print(
+                f"asyncrl: warning: MLflow did not take the run's last calls in {CLOSE_TIMEOUT_S:.0f} s",
+                file=sys.stderr,
+            )
         if self.failures:
             print(f"asyncrl: {self.failures} MLflow call(s) failed in this run; metrics.jsonl is complete", flush=True)
 
-    def _tolerant(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def flush(self) -> None:
+        """Return once every call queued so far has been made (or has failed and been counted)."""
+        self._calls.join()
+
+    def _write(self) -> None:
+        """The writer thread: every queued call in order, until close()'s end marker."""
+        while (item := self._calls.get()) is not None:
+            what, call, args = item
+            try:
+                self._tolerant(what, call, *args)
+            finally:
+                self._calls.task_done()
+        self._calls.task_done()
+
+    def _tolerant(self, what: str, call: Callable[..., Any], *args: Any) -> None:
         try:
-            call(*args, **kwargs)
+            call(*args)
         except Exception as err:
             self.failures += 1
             if self.failures == 1:

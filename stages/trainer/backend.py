@@ -1,16 +1,18 @@
 """TrainerBackend: what the driver (pipeline/run.py, pipeline/sync.py, pipeline/checkpoint.py) calls on a trainer.
 
 TorchTrainer, FSDPTrainer (the torch backend at fsdp_size > 1), MegatronTrainer and SimTrainer each run in one Ray
-actor and answer these calls; a backend that holds no weights (sim) has no `logprobs`, `save_checkpoint` or
+actor and answer these calls, the weight-sync ones through one shared implementation (stages/trainer/weight_sync.py's
+SendsWeights); a backend that holds no weights (sim) has no `logprobs`, `save_checkpoint` or
 `set_weight` and is never asked for them (the config refuses checkpoints with it).
 tests/unit/test_trainer_backend.py checks every backend against this.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from stages.handoff import StepRows
+from stages.transports import GroupAddress, WeightMeta
 
 
 class TrainerBackend(Protocol):
@@ -18,13 +20,13 @@ class TrainerBackend(Protocol):
         """One trainer step: an optimizer update per mini-batch (column -> list of rows); returns its metrics. The
         driver sends a StepRows (stages/handoff.py), whose per-token columns the trainer fetches itself."""
 
-    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
+    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> GroupAddress:
         """Start the trainer's half of the weight-sync group; returns what the engines need to join it."""
 
     def wait_weight_sync(self) -> None:
         """Block until every engine has joined the group."""
 
-    def weight_meta(self) -> dict[str, list]:
+    def weight_meta(self) -> WeightMeta:
         """HF names, shapes and dtypes of the tensors `push_weights` sends, in order."""
 
     def push_weights(self) -> dict[str, float]:

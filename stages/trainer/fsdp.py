@@ -9,8 +9,13 @@ splits them). FSDP's gradient reduction is a plain sum (divide factor 1): each r
 WHOLE mini-batch's denominators, so the ranks' gradients add up to the single-process gradient in every
 loss_agg_mode, the seq-mean-token-sum-norm included (verl scales that one by the DP size instead).
 
+Every rank computes on the GPU it sees, else on the CPU (stages/trainer/precision.py); the group is NCCL on GPUs, gloo
+on CPU. With bf16 compute FSDP2 gathers the parameters in bf16 and reduces the gradients in fp32 (its
+MixedPrecisionPolicy, verl's settings), the sharded fp32 parameters staying the master weights.
+
 FSDP2 runs on CPU over gloo in torch 2.13 (its all-gather and reduce-scatter have gloo kernels); tests/distributed
-runs it there. The NCCL/CUDA path is the same code on `cuda` devices and is unverified here (no GPU).
+runs it there. A DPRank of size 1 with `fsdp=True` is a one-rank world: the sharded code on one device (the GPU
+check, bench/gpu_check, runs it on CUDA over NCCL).
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ class DPRank:
     size: int = 1
     port: int = 0  # rank 0's rendezvous
     host: str = LOOPBACK  # where it listens: loopback on one node, rank 0's node address across nodes
+    fsdp: bool = False  # shard with FSDP2 even as the only rank (a one-rank world)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank joins a process group and shards its model."""
+        return self.size > 1 or self.fsdp
 
 
 @dataclass
@@ -47,30 +58,33 @@ class Share:
     micro_batches: int  # passes every rank runs for it (the same on all: each is a collective)
 
 
-def join(dp: DPRank) -> torch.device:
-    """Join the data-parallel world (nothing to join at size 1); returns the device this rank computes on."""
-    cuda = dp.size > 1 and torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if dp.size > 1:
+def join(dp: DPRank, device: torch.device) -> None:
+    """Join the data-parallel world of a sharded rank computing on `device` (nothing to join unsharded)."""
+    if dp.sharded:
         dist.init_process_group(
-            "nccl" if cuda else "gloo",
+            "nccl" if device.type == "cuda" else "gloo",
             init_method=f"tcp://{dp.host}:{dp.port}",
             rank=dp.rank,
             world_size=dp.size,
             timeout=timedelta(seconds=600),
         )
-    return device
 
 
-def shard_model(model: torch.nn.Module, dp: DPRank, device: torch.device) -> None:
-    """FSDP2 over the data-parallel world: each decoder layer a unit, the root the rest; gradients summed."""
+def shard_model(
+    model: torch.nn.Module, dp: DPRank, device: torch.device, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> None:
+    """FSDP2 over the data-parallel world: each decoder layer a unit, the root the rest; gradients summed. The
+    parameters are gathered in `param_dtype` and the gradients reduced in `reduce_dtype` (no cast when both are the
+    weights' own)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dp.size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # embeddings, final norm and the head (tied or not) share the root's unit
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    # embeddings, final norm and the head (tied or not) share the root's unit
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():  # set per unit: the calls do not recurse
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -2,7 +2,7 @@
 
 The driver talks to this one object (a Ray actor, like TorchTrainer) through the TrainerBackend calls. It is rank 0
 itself (a TorchTrainer with a DPRank, stages/trainer/fsdp.py) and starts the other ranks as Ray actors (`num_cpus=0`,
-as the Megatron backend's peers: two actors holding a CPU each deadlock a 2-core box); every rank runs each call in
+as the Megatron backend's peers: two actors holding a CPU each deadlock a small machine); every rank runs each call in
 the same order, since its forward, backward and gathers are collectives.
 
 A step, for each mini-batch:
@@ -25,7 +25,6 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -33,13 +32,16 @@ from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
 from stages.trainer.fsdp import DPRank, Share
 from stages.trainer.micro_batches import MicroBatching, common_passes
+from stages.trainer.precision import MixedPrecision
 from stages.trainer.ranks import RankPlacement, free_port
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
-from stages.trainer.torch_backend import TorchTrainer, copy_side_files, correct_minibatches, publish, upload
+from stages.trainer.torch_backend import TorchTrainer, copy_side_files, correct_minibatches, upload
+from stages.trainer.weight_sync import SendsWeights
+from stages.transports import WeightMeta
 
 
-class FSDPTrainer:
+class FSDPTrainer(SendsWeights):
     def __init__(
         self,
         model_dir: str,
@@ -52,14 +54,16 @@ class FSDPTrainer:
         optimizer_state: str | None = None,
         weight_sync_backend: str = "gloo",
         fsdp_size: int = 2,
+        model_dtype: str = "fp32",
+        mixed_precision: MixedPrecision | None = None,
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
         rank_placement: RankPlacement | None = None,
         execution: ExecutionSettings | None = None,
     ) -> None:
-        """TorchTrainer's arguments, and `fsdp_size` ranks; `gpus_per_rank`, `rank_resources`: what each peer asks
-        Ray for (a share of the trainer nodes' custom resource, pipeline/config/placement.py); `rank_placement`:
-        the trainer's nodes (default: all on this one)."""
+        """TorchTrainer's arguments (each rank computes on the GPU Ray gives it, else on the CPU), and `fsdp_size`
+        ranks; `gpus_per_rank`, `rank_resources`: what each peer asks Ray for (a share of the trainer nodes' custom
+        resource, pipeline/config/placement.py); `rank_placement`: the trainer's nodes (default: all on this one)."""
         import ray
 
         if fsdp_size < 2:
@@ -75,6 +79,8 @@ class FSDPTrainer:
             torch_threads=torch_threads,
             optimizer_state=optimizer_state,
             execution=execution,
+            model_dtype=model_dtype,
+            mixed_precision=mixed_precision,
         )
         placement = rank_placement or RankPlacement()
         host = placement.host()
@@ -92,6 +98,7 @@ class FSDPTrainer:
             model_dir, **kwargs, weight_sync_backend=weight_sync_backend, data_parallel=DPRank(0, fsdp_size, port, host)
         )
         self.model_dir = Path(model_dir)
+        self.sender = self.rank.sender  # rank 0 sends what the ranks gather together
 
     def _each(self, method: str, args: list[tuple]) -> list:
         """`method` on every rank with its own arguments (args[r] for rank r); their results in rank order. Peers
@@ -175,25 +182,11 @@ class FSDPTrainer:
         yield from self.rank.export(tied_head)
         ray.get(pending)
 
-    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
-        return self.rank.sync.open(world_size, connect_timeout_s)
+    def export_weights(self):
+        return self._stream()
 
-    def wait_weight_sync(self) -> None:
-        self.rank.sync.wait_open()
-
-    def weight_meta(self) -> dict[str, list]:
+    def weight_meta(self) -> WeightMeta:
         return self.rank.weight_meta()  # a sharded parameter's shape is its full shape
-
-    @torch.no_grad()
-    def push_weights(self) -> dict[str, float]:
-        start = time.monotonic()
-        sent = self.rank.sync.push(t for _, t in self._stream())
-        return {"sync/bytes": float(sent), "sync/broadcast_s": time.monotonic() - start}
-
-    @torch.no_grad()
-    def publish_weights(self, url: str) -> dict[str, float]:
-        """Pull mode: one safetensors file at `url` (any fsspec URL), written as TorchTrainer writes it."""
-        return publish(self._stream(), url)
 
     def set_weight(self, name: str, value: float) -> None:
         """Fill the parameter with this HF name with a constant (tests): every rank its shard."""

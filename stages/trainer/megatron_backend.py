@@ -2,10 +2,10 @@
 
 The driver talks to this one object (a Ray actor, like TorchTrainer) through the TrainerBackend calls. It is rank 0
 itself and starts the other `TP x PP x DP - 1` ranks as Ray actors (`num_cpus=0`:
-two actors holding a CPU each deadlock a 2-core box, DESIGN.md §6), and makes every rank run each call in the same
+two actors holding a CPU each deadlock a small machine), and makes every rank run each call in the same
 order, since the ranks' forward, backward, gradient reductions and weight gathers are collectives. The ranks form
 their own torch.distributed world (gloo on CPU, NCCL on GPU), on one node or several (stages/trainer/ranks.py), and
-the weight sync to the engines uses a second, private group (stages/trainer/weight_sync.py), so the two never
+the weight sync to the engines uses a second, private group (stages/transports/group.py), so the two never
 collide.
 
 Data parallelism (DP = trainer ranks / TP): each mini-batch's rows are split across the model replicas balanced by
@@ -42,7 +42,8 @@ from stages.trainer.megatron_rank import MegatronRank
 from stages.trainer.ranks import RankPlacement, free_port, node_address
 from stages.trainer.settings import ExecutionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals
-from stages.trainer.weight_sync import make_weight_sync
+from stages.trainer.weight_sync import SendsWeights
+from stages.transports import WeightMeta, make_sender
 
 
 def _wait(refs: list) -> list:
@@ -54,7 +55,7 @@ def _wait(refs: list) -> list:
     return ray.get(refs)
 
 
-class MegatronTrainer:
+class MegatronTrainer(SendsWeights):
     def __init__(
         self,
         model_dir: str,
@@ -69,6 +70,7 @@ class MegatronTrainer:
         data_parallel_size: int = 1,
         weight_sync_backend: str = "gloo",
         export_bucket_mb: int = 64,
+        dtype: str | None = None,
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
         rank_placement: RankPlacement | None = None,
@@ -76,10 +78,11 @@ class MegatronTrainer:
         override_transformer_config: dict | None = None,
     ) -> None:
         """`data_parallel_size`: model replicas, each of `tensor_model_parallel_size x pipeline_model_parallel_size`
-        ranks. `gpus_per_rank`, `rank_resources`: what each peer rank asks Ray for (ray.gpus_per_trainer_rank on a
-        GPU cluster; a share of the trainer nodes' custom resource, pipeline/config/placement.py); `rank_placement`:
-        the trainer's nodes (default: all on this one). `execution`, `override_transformer_config`: MegatronRank's
-        (packing, the proximal pass's micro-batches; activation recompute)."""
+        ranks. `dtype`: the parameters' (MegatronRank). `gpus_per_rank`, `rank_resources`: what each peer rank asks
+        Ray for (ray.gpus_per_trainer_rank on a GPU cluster; a share of the trainer nodes' custom resource,
+        pipeline/config/placement.py); `rank_placement`: the trainer's nodes (default: all on this one).
+        `execution`, `override_transformer_config`: MegatronRank's (packing, the proximal pass's micro-batches;
+        activation recompute)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, not {data_parallel_size}")
         kwargs = dict(
@@ -90,6 +93,7 @@ class MegatronTrainer:
             torch_threads=torch_threads,
             execution=execution,
             override_transformer_config=override_transformer_config,
+            dtype=dtype,
         )
         self.tp, self.pp, self.dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
         placement = rank_placement or RankPlacement()
@@ -111,7 +115,7 @@ class MegatronTrainer:
         self.model_dir = Path(model_dir)
         self.recompute = compute_prox_log_prob or not use_rollout_log_probs
         self.bucket_bytes = export_bucket_mb << 20
-        self.sync = make_weight_sync(weight_sync_backend, node_address())
+        self.sender = make_sender(weight_sync_backend, node_address())
         if optimizer_state:
             self._load_optimizer(optimizer_state)
 
@@ -168,31 +172,12 @@ class MegatronTrainer:
         yield from self.rank.export(self.bucket_bytes)
         _wait(pending)
 
-    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
-        return self.sync.open(world_size, connect_timeout_s)
+    def export_weights(self):
+        return self._stream()
 
-    def wait_weight_sync(self) -> None:
-        self.sync.wait_open()
-
-    def weight_meta(self) -> dict[str, list]:
-        return self.rank.hf_meta()
-
-    @torch.no_grad()
-    def push_weights(self) -> dict[str, float]:
-        start = time.monotonic()
-        sent = self.sync.push(t for _, t in self._stream())
-        return {"sync/bytes": float(sent), "sync/broadcast_s": time.monotonic() - start}
-
-    @torch.no_grad()
-    def publish_weights(self, url: str) -> dict[str, float]:
-        """Pull mode: one safetensors file at `url` (any fsspec URL), written as TorchTrainer writes it."""
-        start = time.monotonic()
-        blob = self._safetensors()
-        fs, path = fsspec.core.url_to_fs(url)
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(path, "wb") as f:
-            f.write(blob)
-        return {"sync/bytes": float(len(blob)), "sync/publish_s": time.monotonic() - start}
+    def weight_meta(self) -> WeightMeta:
+        meta = self.rank.hf_meta()
+        return WeightMeta(tuple(meta["names"]), tuple(map(tuple, meta["shapes"])), tuple(meta["dtypes"]))
 
     def _safetensors(self) -> bytes:
         from safetensors.torch import save

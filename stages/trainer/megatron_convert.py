@@ -249,7 +249,7 @@ def to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> Iterator[tuple[st
     """HF (name, tensor) pairs of one full Megatron tensor: fused tensors give two or three."""
     if name == "embedding.word_embeddings.weight":
         yield "model.embed_tokens.weight", full
-        if shape.tied_embeddings:  # vLLM keeps its own head: send it, or it stays stale (DESIGN.md §6)
+        if shape.tied_embeddings:  # vLLM keeps its own head: send it, or it stays stale
             yield "lm_head.weight", full
         return
     if name == "output_layer.weight":

@@ -5,8 +5,9 @@ megatron-core's local specs, with one expert module per expert (`moe_grouped_gem
 CUDA kernels), the `allgather` token dispatcher (`alltoall` makes a CUDA stream) and no load-balancing loss (the
 objective is the PPO one alone). Qwen3's router maps onto megatron's top-k router: `norm_topk_prob` (top-k
 probabilities renormalised) is softmax over the top-k logits, megatron's default; without it the softmax comes
-first (`moe_router_pre_softmax`). On CPU one more shim: megatron-core's router GEMM calls TransformerEngine when
-imported, and without it raises NameError, so `moe_utils.te_general_gemm` is set to None (its own fallback).
+first (`moe_router_pre_softmax`). Without TransformerEngine (on CPU, and on a GPU machine without it: seen on an
+H100) one more shim: megatron-core's router GEMM calls TransformerEngine when imported, and without it raises
+NameError, so `moe_utils.te_general_gemm` is set to None (its own fallback).
 
 Replay uses megatron-core's RouterReplay (`moe_enable_routing_replay=True`): per forward pass, one LongTensor
 (S * B, k) per MoE layer in REPLAY_FORWARD mode. megatron's hidden states are sequence-major, so token (b, s) is
@@ -60,7 +61,7 @@ def layer_spec(config, shape: ModelShape):
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    if not torch.cuda.is_available():
+    if not hasattr(moe_utils, "te_general_gemm"):  # TransformerEngine absent (on CPU, or a GPU without it)
         moe_utils.te_general_gemm = None
     RouterReplay.clear_global_router_replay_instances()
     return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")

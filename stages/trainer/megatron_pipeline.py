@@ -14,7 +14,7 @@ Schedule. The micro-batches go through `get_forward_backward_func()` (1F1B witho
 Every stage builds the same inputs; the last turns its logits into per-token logprobs (and entropy) and computes
 the objective (Minibatch.loss), exactly what the hand-written CPU step computes at PP = 1.
 
-On CPU (gloo) the schedule runs with three shims besides DESIGN.md §4's, each for one CUDA-only call of
+On CPU (gloo) the schedule runs with three shims besides megatron_rank.py's `_cpu_shims`, each for one CUDA-only call of
 megatron-core 0.16.1:
 - pipeline_parallel/p2p_communication.py:242 (`_communicate_shapes`) and :398 call `torch.cuda.synchronize()`:
   a no-op on CPU (stages/trainer/megatron_rank.py's `_cpu_shims`);

@@ -13,14 +13,15 @@ The model is built from an HF directory's config.json (Llama/Qwen2: RMSNorm, Swi
 GQA, qkv bias for Qwen2) with megatron-core's local layer spec, and its weights are the HF safetensors sharded for
 this rank (stages/trainer/megatron_convert.py), so training starts from exactly the weights the engines serve.
 
-On CPU megatron-core trains with three shims (DESIGN.md §4): `torch.cuda.current_device` answers "cpu", an RNG
+On CPU megatron-core trains with three shims (`_cpu_shims`): `torch.cuda.current_device` answers "cpu", an RNG
 tracker that does not fork CUDA states, and an explicit bool causal mask. Its optimizer hard-codes CUDA, so the
 update is written by hand: `finish_grad_sync`, `main_grad` -> `grad`, a TP- and PP-aware grad-norm clip, torch
 AdamW. At PP = 1 the micro-batches' forward/backward are a plain loop; at PP > 1 megatron's own schedule drives
 them (three more shims, stages/trainer/megatron_pipeline.py). A Qwen3-MoE model and routing replay:
 stages/trainer/megatron_moe.py. The objective and metrics are TorchTrainer's (stages/trainer/step.py); the entropy
-of the vocabulary-parallel logits all-reduces its max and two sums over the TP group. The CUDA path (megatron's
-schedule at any PP and its distributed optimizer) is written but unverified.
+of the vocabulary-parallel logits all-reduces its max and two sums over the TP group. On CUDA megatron's schedule
+and distributed optimizer run the step (bench/gpu_check compares it with the CPU step at TP = PP = 1); there the
+parameters are bf16 by default (`dtype`), the optimizer's main weights fp32, the logits turned into fp32 first.
 """
 
 from __future__ import annotations
@@ -83,15 +84,25 @@ class MegatronRank:
         host: str = LOOPBACK,
         execution: ExecutionSettings | None = None,
         override_transformer_config: dict | None = None,
+        dtype: str | None = None,
     ) -> None:
         """`execution`: packing and the proximal pass's micro-batches; `override_transformer_config`: megatron's
-        activation recompute keys (recompute_granularity, recompute_method, recompute_num_layers, recompute_modules)."""
+        activation recompute keys (recompute_granularity, recompute_method, recompute_num_layers, recompute_modules).
+        `dtype` (actor.megatron.dtype): 'bfloat16' or 'float32' parameters; None: bfloat16 on a GPU, float32 on
+        CPU. bf16 parameters train with megatron's fp32 main weights and optimizer state, which only its CUDA
+        optimizer keeps."""
         from megatron.core import parallel_state
 
         torch.manual_seed(seed)
         torch.set_num_threads(torch_threads)
         self.cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype is None and self.cuda) else torch.float32
+        if self.dtype == torch.bfloat16 and not self.cuda:
+            raise ValueError(
+                "actor.megatron.dtype=bfloat16 keeps fp32 main weights in megatron's distributed optimizer, which "
+                "needs CUDA: set actor.megatron.dtype=float32 on CPU"
+            )
         if not self.cuda:
             _cpu_shims()
         dist.init_process_group(
@@ -157,12 +168,13 @@ class MegatronRank:
             gradient_accumulation_fusion=False,
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.stage.size,
-            pipeline_dtype=torch.float32,
+            pipeline_dtype=self.dtype,
             # The stages exchange each micro-batch's shape: micro-batches are padded only to their own width.
             variable_seq_lengths=self.stage.size > 1,
             # DDP sums the replicas' gradients instead of averaging them: the loss is already a mini-batch mean
             calculate_per_token_loss=True,
-            params_dtype=torch.float32,
+            params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16,
             use_cpu_initialization=True,
             **self.recompute,
             **moe_config(s, replay=self.policy.router_replay.active),
@@ -202,7 +214,8 @@ class MegatronRank:
             adam_eps=1e-8,
             clip_grad=self.policy.grad_clip,
             use_distributed_optimizer=True,
-            params_dtype=torch.float32,
+            params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16,  # fp32 main weights and state for bf16 parameters
         )
         return get_megatron_optimizer(config, [self.model])
 

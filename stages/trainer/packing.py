@@ -222,15 +222,18 @@ def packed_forward(
     entropy_grad: bool = True,
     replay=None,
     routes: torch.Tensor | None = None,
+    precision: contextlib.AbstractContextManager | None = None,
 ) -> TokenForward:
     """A transformers causal LM's response-token logprobs (B, T), and their entropy when asked, from one packed
     forward on `device`; `replay` (stages/trainer/hf_router_replay.py) forces `routes` (B, S, layers * k) when
-    given."""
+    given. `precision`: the context the model's forward runs in (stages/trainer/precision.py's autocast); the
+    logprobs and entropy are computed from float32 logits after it."""
     packed = pack(prompts, responses, device)
     packed_routes = None if routes is None else packed.pack_context(routes.to(device))
     forcing = replay.forcing(packed_routes) if replay is not None else contextlib.nullcontext()
-    with forcing:
-        logits = model(**packed.model_inputs()).logits[0].float()  # (R, V)
+    with forcing, precision or contextlib.nullcontext():
+        logits = model(**packed.model_inputs()).logits[0]
+    logits = logits.float()  # (R, V)
     logp = torch.log_softmax(logits, -1).gather(-1, packed.targets[:, None]).squeeze(-1)
     ent = packed.spread(entropy_from_logits(logits, grad=entropy_grad)) if entropy else None
     out = TokenForward(packed.spread(logp), packed.mask(), ent)

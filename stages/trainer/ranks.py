@@ -14,6 +14,7 @@ address Ray's own services on that node listen on.
 from __future__ import annotations
 
 import socket
+import sys
 from dataclasses import dataclass
 
 LOOPBACK = "127.0.0.1"
@@ -46,7 +47,10 @@ class RankPlacement:
 
 
 def node_address() -> str:
-    """This process's node address as Ray knows it; loopback outside Ray (a trainer built in-process by a test)."""
+    """This process's node address as Ray knows it; loopback outside Ray (a trainer built in-process by a test, or
+    on a machine without Ray: bench/gpu_check)."""
+    if "ray" not in sys.modules:  # never imported here: no Ray session in this process
+        return LOOPBACK
     import ray
 
     if not ray.is_initialized():

@@ -33,9 +33,8 @@ import contextlib
 import math
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import fsspec
 import numpy as np
@@ -51,13 +50,15 @@ from stages.trainer.hf_router_replay import HFRouterReplay
 from stages.trainer.loss import TokenForward, entropy_from_logits
 from stages.trainer.offload import Offload
 from stages.trainer.packing import packed_forward, use_packed_attention
+from stages.trainer.precision import MixedPrecision, autocast, compute_dtype, pick_device, to_dtype
 from stages.trainer.ranks import node_address
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs, pad_rows
-from stages.trainer.weight_sync import make_weight_sync
+from stages.trainer.weight_sync import SendsWeights
+from stages.transports import WeightMeta, make_sender
 
 
-class TorchTrainer:
+class TorchTrainer(SendsWeights):
     def __init__(
         self,
         model_dir: str,
@@ -71,32 +72,41 @@ class TorchTrainer:
         weight_sync_backend: str = "gloo",
         data_parallel: DPRank | None = None,
         execution: ExecutionSettings | None = None,
+        model_dtype: str = "fp32",
+        mixed_precision: MixedPrecision | None = None,
+        device: str | None = None,
     ) -> None:
         """`optimizer_state`: a saved optimizer state (a checkpoint's optimizer.pt) to continue from, as a
         single-process trainer saves it (a sharded trainer saves it gathered, so either reads either's).
         `data_parallel`: this process's FSDP rank (stages/trainer/fsdp_backend.py starts them); None: no group.
-        `execution`: packing, the proximal pass's micro-batches, activation checkpointing and offload."""
+        `execution`: packing, the proximal pass's micro-batches, activation checkpointing and offload.
+        `model_dtype`, `mixed_precision`: the weights' and the forward's dtypes (stages/trainer/precision.py).
+        `device`: where to compute; None: the GPU this process sees, else the CPU."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         torch.set_num_threads(torch_threads)
         self.policy = policy or PolicySettings()
         self.dp = data_parallel or DPRank()
-        self.device = fsdp.join(self.dp)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
+        self.device = pick_device(device)
+        fsdp.join(self.dp, self.device)
+        mixed_precision = mixed_precision or MixedPrecision()
+        self.compute_dtype = compute_dtype(mixed_precision.param_dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=to_dtype(model_dtype)).to(self.device)
         self.model.train()
         self.execution = execution or ExecutionSettings()
         if self.execution.enable_gradient_checkpointing:  # before sharding: FSDP2 wraps the checkpointed layers
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.execution.use_remove_padding:
             use_packed_attention(self.model)
-        if self.dp.size > 1:
-            fsdp.shard_model(self.model, self.dp, self.device)
+        if self.dp.sharded:
+            reduce_dtype = to_dtype(mixed_precision.reduce_dtype)
+            fsdp.shard_model(self.model, self.dp, self.device, self.compute_dtype, reduce_dtype)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.policy.lr, weight_decay=self.policy.weight_decay
         )
         if optimizer_state:
-            self.load_optimizer_state(torch.load(optimizer_state, weights_only=True))
+            self.load_optimizer_state(torch.load(optimizer_state, weights_only=True, map_location="cpu"))
         self.offload = Offload(
             self.model, self.optimizer, self.device, self.execution.param_offload, self.execution.optimizer_offload
         )
@@ -108,7 +118,7 @@ class TorchTrainer:
             raise ValueError("rollout correction compares proximal and behaviour logprobs: set compute_prox_log_prob")
         self.pad = self.model.config.pad_token_id or 0
         self.replay = HFRouterReplay(self.model) if self.policy.router_replay.active else None
-        self.sync = make_weight_sync(weight_sync_backend, node_address())
+        self.sender = make_sender(weight_sync_backend, node_address())
 
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
@@ -175,12 +185,17 @@ class TorchTrainer:
             raise ValueError("routes given to a trainer built without actor.router_replay")
         if self.execution.use_remove_padding:
             grad = self.policy.entropy_coeff != 0
-            return packed_forward(self.model, prompts, responses, self.device, entropy, grad, self.replay, routes)
+            precision = autocast(self.device, self.compute_dtype)
+            return packed_forward(
+                self.model, prompts, responses, self.device, entropy, grad, self.replay, routes, precision
+            )
         seqs = [torch.tensor(np.concatenate([p, r]).astype(np.int64)) for p, r in zip(prompts, responses, strict=True)]
         ids = pad_sequence(seqs, batch_first=True, padding_value=self.pad).to(self.device)  # (B, S)
         attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True).to(self.device)
         with self.replay.forcing(routes) if self.replay else contextlib.nullcontext():
-            logits = self.model(input_ids=ids, attention_mask=attn).logits.float()  # (B, S, V)
+            with autocast(self.device, self.compute_dtype):
+                logits = self.model(input_ids=ids, attention_mask=attn).logits
+        logits = logits.float()  # (B, S, V): logprobs, entropy and the loss in fp32 whatever the forward's dtype
         width = max((len(r) for r in responses), default=0)
         logp = torch.zeros(len(seqs), width, device=self.device)
         mask = torch.zeros(len(seqs), width, device=self.device)
@@ -225,7 +240,8 @@ class TorchTrainer:
         """A one-token forward: a rank out of rows still joins a pass's parameter gathers (and, backpropagated,
         its gradient reductions)."""
         ids = torch.full((1, 1), self.pad, dtype=torch.long, device=self.device)
-        return self.model(input_ids=ids).logits
+        with autocast(self.device, self.compute_dtype):
+            return self.model(input_ids=ids).logits.float()
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, url: str) -> float:
@@ -242,13 +258,13 @@ class TorchTrainer:
     def optimizer_state(self, keep: bool = True) -> dict | None:
         """The AdamW state_dict as one process holds it: gathered from every rank at DP > 1, where all must call
         this; only those with `keep` get it (the others None)."""
-        if self.dp.size == 1:
+        if not self.dp.sharded:
             return self.optimizer.state_dict()
         return fsdp.gathered_optimizer_state(self.optimizer, keep)
 
     def load_optimizer_state(self, state: dict) -> None:
         """Continue from a single-process AdamW state_dict (each rank takes its shards of it)."""
-        if self.dp.size > 1:
+        if self.dp.sharded:
             state = fsdp.sharded_optimizer_state(state, list(self.model.parameters()))
         self.optimizer.load_state_dict(state)
 
@@ -279,30 +295,11 @@ class TorchTrainer:
         """A non-zero rank's part of an export: take part in every gather, keep nothing."""
         return sum(1 for _ in self.export(tied_head))
 
-    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> dict[str, Any]:
-        return self.sync.open(world_size, connect_timeout_s)
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.export()
 
-    def wait_weight_sync(self) -> None:
-        self.sync.wait_open()
-
-    def weight_meta(self) -> dict[str, list]:
-        weights = self._named_weights()
-        return {
-            "names": [n for n, _ in weights],
-            "shapes": [list(t.shape) for _, t in weights],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in weights],
-        }
-
-    @torch.no_grad()
-    def push_weights(self) -> dict[str, float]:
-        start = time.monotonic()
-        sent = self.sync.push(t for _, t in self.export())
-        return {"sync/bytes": float(sent), "sync/broadcast_s": time.monotonic() - start}
-
-    @torch.no_grad()
-    def publish_weights(self, url: str) -> dict[str, float]:
-        """Pull mode: write the weights as one safetensors file at `url` (any fsspec URL) for the engines to load."""
-        return publish(self.export(), url)
+    def weight_meta(self) -> WeightMeta:
+        return WeightMeta.of(self._named_weights())  # a sharded parameter's shape is its full shape
 
     @torch.no_grad()
     def set_weight(self, name: str, value: float) -> None:
@@ -329,27 +326,6 @@ def correct_minibatches(
         shares.append((step.masks[share], None if w is None else pad_rows(w, max(map(len, w), default=0))))
         start = share.stop
     return shares, step.metrics
-
-
-def publish(tensors: Iterable[tuple[str, torch.Tensor]], url: str) -> dict[str, float]:
-    """HF-named tensors as one safetensors file at `url` (any fsspec URL); returns sync/* metrics."""
-    from safetensors.torch import save
-
-    start = time.monotonic()
-    # safetensors writes one header for all tensors, so the file needs them all at once, on CPU; it refuses two
-    # names on one storage, so a tied head is written as a copy of the embedding.
-    named, storages = {}, set()
-    for name, t in tensors:
-        t = t.detach().cpu().contiguous()
-        storage = t.untyped_storage().data_ptr()
-        named[name] = t.clone() if storage in storages else t
-        storages.add(storage)
-    blob = save(named)
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "wb") as f:
-        f.write(blob)
-    return {"sync/bytes": float(len(blob)), "sync/publish_s": time.monotonic() - start}
 
 
 def copy_side_files(model_dir: Path, out: Path) -> None:

@@ -1,248 +1,56 @@
-"""The trainer side of the weight sync: one private process group, trainer at rank 0, engines after it.
+"""The trainer's side of the weight sync, one implementation for every trainer backend.
 
-`WeightSync` is the swap point between transports, chosen by `weight_sync.backend`:
+A backend says what its weights are: `export_weights()`, the full HF-named tensors in the order the engines load
+them (gathered one at a time from its shards, every rank taking part), and `weight_meta()`, their names, shapes and
+dtypes. `SendsWeights` sends that stream: to every engine through the group transport `weight_sync.backend` chose
+(push mode), or as one file to the parameter store (pull mode, and push mode's snapshots). The transports themselves
+are stages/transports.
 
-- `gloo` (BroadcastWeightSync): CPU tensors broadcast over gloo; the only one that runs without a GPU.
-- `nccl` (BroadcastWeightSync): the same broadcast with CUDA tensors over NCCL, trainer and engines on different
-  GPUs.
-- `ipc` (IpcWeightSync): trainer and engine share one GPU, where NCCL cannot place two ranks. The group is gloo
-  and carries only CUDA IPC handles; the engine maps each tensor, copies it and acknowledges before the trainer
-  lets go of it, so one tensor is in flight at a time.
-
-Every group is created with vLLM's stateless init, so it never touches the global torch.distributed state a
-Megatron trainer owns. Tensors go in the order of `meta()`, and the engines receive them in that same order
-(stages/vllm_worker.py). A broadcast costs a round trip whatever its size, so the broadcast transports send small
-tensors (norms, biases, a small model's everything) packed into one flat buffer (`packed`, cut the same way on both
-sides from the tensors' sizes), and each large one alone, as it is, with no extra copy. The nccl and ipc paths
-are written for GPUs and unverified on this project's CPU machines; without CUDA they are refused with a clear
-error.
+It is mixed into each backend's class because the driver calls these methods on the trainer's Ray actor, which
+serves the methods of its class.
 """
 
 from __future__ import annotations
 
-import gc
-import math
-import socket
-import threading
-import traceback
-from collections.abc import Callable, Iterable, Iterator
-from datetime import timedelta
-from typing import Protocol, TypeVar
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+from stages.transports import GroupAddress, GroupSender, WeightMeta
+from stages.transports.store import StoreSender
 
-BACKENDS = ("gloo", "nccl", "ipc")
-# How long one collective may wait for a peer, once the group is formed: a receiver joins a push only after its
-# engine drained or aborted its requests. Forming the group has its own, short timeout (`connect_timeout_s`).
-OP_TIMEOUT = timedelta(seconds=600)
-# Tensors under PACK_BELOW bytes travel packed, up to PACK_BYTES per broadcast, each at an offset of a multiple of
-# ALIGN (every dtype's element size divides it, so a slice of the buffer is viewed as the tensor in place). A
-# 27-tensor model of 1.9 MB (the embedded job's): one broadcast instead of 27.
-PACK_BELOW, PACK_BYTES, ALIGN = 1 << 20, 16 << 20, 64
-T = TypeVar("T")
+if TYPE_CHECKING:
+    import torch
 
 
-def packed(items: Iterable[T], nbytes: Callable[[T], int]) -> Iterator[list[T]]:
-    """`items` in order, as the groups one broadcast carries each: a run of small items (under PACK_BELOW bytes)
-    together while their aligned layout fits PACK_BYTES, every larger item alone. The sender groups its tensors
-    and the engines their tensors' (shape, dtype) with this one function, so both cut the stream alike."""
-    group: list[T] = []
-    size = 0
-    for item in items:
-        n = nbytes(item)
-        if group and (n >= PACK_BELOW or aligned(size) + n > PACK_BYTES):
-            yield group
-            group, size = [], 0
-        if n >= PACK_BELOW:
-            yield [item]
-            continue
-        group.append(item)
-        size = aligned(size) + n
-    if group:
-        yield group
+class SendsWeights:
+    """The trainer actor's weight-sync calls (stages/trainer/backend.py). The backend's constructor sets `sender`
+    (stages.transports.make_sender); `store` writes pull mode's files."""
 
+    sender: GroupSender
+    store = StoreSender()
 
-def aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The backend's HF-named tensors, in `weight_meta()`'s order (computed without autograd)."""
+        raise NotImplementedError
 
+    def weight_meta(self) -> WeightMeta:
+        """Names, shapes and dtypes of `export_weights()`, without moving any weight."""
+        raise NotImplementedError
 
-def layout(sizes: list[int]) -> tuple[list[int], int]:
-    """Each packed tensor's offset in the buffer, and the buffer's size."""
-    offsets, end = [], 0
-    for n in sizes:
-        offsets.append(aligned(end))
-        end = offsets[-1] + n
-    return offsets, end
+    def open_weight_sync(self, world_size: int, connect_timeout_s: float = 30.0) -> GroupAddress:
+        return self.sender.open(world_size, connect_timeout_s)
 
+    def wait_weight_sync(self) -> None:
+        self.sender.wait_open()
 
-class WeightSync(Protocol):
-    def open(self, world_size: int, connect_timeout_s: float = 30.0) -> dict:
-        """Start rank 0's half of the rendezvous; returns what the engines need to join (host, port, backend, the
-        rendezvous timeout)."""
+    def push_weights(self) -> dict[str, float]:
+        start = time.monotonic()
+        sent = self.sender.send(self.export_weights())
+        return {"sync/bytes": float(sent), "sync/broadcast_s": time.monotonic() - start}
 
-    def wait_open(self) -> None:
-        """Block until every engine has joined; raise if one has not within the rendezvous timeout."""
-
-    def push(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Send tensors to every engine; returns the bytes sent. If it fails (an engine died during it), the group
-        is closed, which ends the other engines' receives at once, and the next `open` forms a new one."""
-
-
-class BroadcastWeightSync:
-    """gloo (CPU tensors) or nccl (CUDA tensors; unverified here) broadcast from rank 0."""
-
-    def __init__(self, backend: str = "gloo", host: str = "127.0.0.1") -> None:
-        self.backend, self.host = backend, host
-        self.group = None
-        self._opener: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def open(self, world_size: int, connect_timeout_s: float = 30.0) -> dict:
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-        self.close()  # a group formed again (a replica was restarted) replaces the one before
-        # Bind the rendezvous store's socket ourselves: TCPStore alone would listen on every interface.
-        listener = socket.create_server((self.host, 0))
-        port = listener.getsockname()[1]
-
-        def join() -> None:
-            try:
-                group = stateless_init_torch_distributed_process_group(
-                    self.host,
-                    port,
-                    0,
-                    world_size,
-                    backend=self.backend,
-                    listen_socket=listener,
-                    timeout=timedelta(seconds=connect_timeout_s),
-                )
-                group.set_timeout(OP_TIMEOUT)
-                self.group = group
-            except BaseException as err:  # noqa: BLE001 - re-raised in wait_open, on the caller's thread
-                self._error = err
-
-        self._opener, self._error = threading.Thread(target=join, daemon=True), None
-        self._opener.start()
-        return {"host": self.host, "port": port, "backend": self.backend, "connect_timeout_s": connect_timeout_s}
-
-    def wait_open(self) -> None:
-        assert self._opener is not None, "open() first"
-        self._opener.join()
-        if self._error is not None:
-            raise RuntimeError(f"weight-sync group failed to form: {self._error}") from self._error
-
-    def push(self, tensors: Iterable[torch.Tensor]) -> int:
-        device = torch.cuda.current_device() if self.backend == "nccl" else "cpu"
-        on_device = (t.detach().to(device).contiguous() for t in tensors)
-        sent = 0
-        try:
-            for group in packed(on_device, nbytes):
-                dist.broadcast(group[0] if len(group) == 1 else pack(group, device), group=self.group, group_src=0)
-                sent += sum(nbytes(t) for t in group)
-        except Exception as err:
-            self.close_failed(err)
-            raise
-        return sent
-
-    def close_failed(self, err: BaseException) -> None:
-        """Close the group after a collective failed with `err`: the peers still receiving see the group end instead
-        of waiting for its timeout. gloo closes its connections, which is what ends their receives, only when the
-        group is freed, and the failed collective's frames in `err`'s traceback still hold it (longer still wherever
-        the error is kept, as Ray keeps a failed task's, or sits in a reference cycle): those references go now,
-        not at some later GC."""
-        self.close()
-        traceback.clear_frames(err.__traceback__)
-        gc.collect()
-
-    def close(self) -> None:
-        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-        if self.group is not None:
-            group, self.group = self.group, None
-            stateless_destroy_torch_distributed_process_group(group)
-
-
-class IpcWeightSync:
-    """Unverified here (no GPU): CUDA IPC handles over a gloo group, for a trainer and engine on one GPU."""
-
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self.control = BroadcastWeightSync("gloo", host)  # carries handles and acknowledgements, not weights
-
-    def open(self, world_size: int, connect_timeout_s: float = 30.0) -> dict:
-        # The engine joins with gloo and receives by IPC.
-        return {**self.control.open(world_size, connect_timeout_s), "backend": "ipc"}
-
-    def wait_open(self) -> None:
-        self.control.wait_open()
-
-    def push(self, tensors: Iterable[torch.Tensor]) -> int:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        sent = 0
-        try:
-            for tensor in tensors:
-                tensor = tensor.detach().to(torch.cuda.current_device()).contiguous()
-                _, args = reduce_tensor(tensor)  # a picklable handle: the engine maps the same memory
-                broadcast_object(args, self.control.group)
-                dist.all_reduce(torch.zeros(1), group=self.control.group)  # every engine copied it: it may be freed
-                sent += tensor.numel() * tensor.element_size()
-        except Exception as err:
-            self.control.close_failed(err)
-            raise
-        return sent
-
-
-def nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def size_of(shape: list[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-
-
-def pack(tensors: list[torch.Tensor], device) -> torch.Tensor:
-    """One flat byte buffer holding `tensors` at their `layout` offsets."""
-    sizes = [nbytes(t) for t in tensors]
-    offsets, total = layout(sizes)
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
-    for tensor, offset, n in zip(tensors, offsets, sizes, strict=True):
-        flat[offset : offset + n].copy_(tensor.reshape(-1).view(torch.uint8))
-    return flat
-
-
-def unpack(flat: torch.Tensor, shapes: list[list[int]], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-    """The tensors `pack` laid out in `flat`: views of it, no copy."""
-    sizes = [size_of(shape, d) for shape, d in zip(shapes, dtypes, strict=True)]
-    offsets, _ = layout(sizes)
-    return [
-        flat[offset : offset + n].view(d).view(shape)
-        for offset, n, shape, d in zip(offsets, sizes, shapes, dtypes, strict=True)
-    ]
-
-
-def broadcast_object(obj: object, group) -> object:
-    """Rank 0's `obj` on every rank of a stateless group, as pickled bytes in two tensor broadcasts (the object
-    collectives of torch.distributed expect a group registered with its default world)."""
-    import pickle
-
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if obj is not None else None
-    size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
-    dist.broadcast(size, group=group, group_src=0)
-    if payload is None:
-        payload = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(payload, group=group, group_src=0)
-    return pickle.loads(payload.numpy().tobytes())
-
-
-def make_weight_sync(backend: str = "gloo", host: str = "127.0.0.1") -> WeightSync:
-    """The trainer side of `weight_sync.backend`, listening on `host` (the trainer's node address: the engines may
-    run on other nodes); nccl and ipc need CUDA and say so."""
-    if backend not in BACKENDS:
-        raise ValueError(f"weight_sync.backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
-    if backend != "gloo" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"weight_sync.backend={backend} moves CUDA tensors and this trainer sees no GPU: "
-            "use weight_sync.backend=gloo on CPU"
-        )
-    return IpcWeightSync(host) if backend == "ipc" else BroadcastWeightSync(backend, host)
+    def publish_weights(self, url: str) -> dict[str, float]:
+        """Write the weights as one safetensors file at `url` (any fsspec URL) for the engines to load."""
+        start = time.monotonic()
+        sent = self.store.send(self.export_weights(), url)
+        return {"sync/bytes": float(sent), "sync/publish_s": time.monotonic() - start}

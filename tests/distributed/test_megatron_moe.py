@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from stages.trainer.settings import PolicySettings, RouterReplaySettings
 from stages.trainer.step import pad_routes
 from stages.trainer.torch_backend import TorchTrainer
-from tests.moe_model import batch, build_tiny_moe, other_routes, own_routes
+from tests.moe_model import batch, build_tiny_moe, minibatch, other_routes, own_routes
 
 R3 = PolicySettings(router_replay=RouterReplaySettings(mode="R3"), micro_batch_size=2, lr=1e-3)
 TOL = 1e-5
@@ -26,17 +26,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _rows(prompts, responses, routes) -> dict[str, list]:
-    return {
-        "prompt_ids": prompts,
-        "response_ids": responses,
-        "response_mask": [[1] * len(r) for r in responses],
-        "response_logprobs": [[-1.0] * len(r) for r in responses],
-        "advantage": [1.0, -1.0, 0.5],
-        "routed_experts": routes,
-    }
 
 
 def _rank(model_dir: str, port: int, queue) -> None:
@@ -63,9 +52,9 @@ def _rank(model_dir: str, port: int, queue) -> None:
         "forced": forward(other_routes(own)),
         "export": {name: t.numpy().copy() for name, t in rank.export()},
         "meta": rank.hf_meta(),
-        "own_step": rank.train_step([_rows(prompts, responses, own)]),
+        "own_step": rank.train_step([minibatch(prompts, responses, own)]),
     }
-    out["forced_step"] = rank.train_step([_rows(prompts, responses, other_routes(own))], recompute=True)
+    out["forced_step"] = rank.train_step([minibatch(prompts, responses, other_routes(own))], recompute=True)
     out["router_grads"] = [float(m.weight.grad.abs().sum()) for m in rank.replay.routers]
     queue.put(out)
 

@@ -101,7 +101,7 @@ def test_export_of_the_loaded_model_is_its_hf_weights(runs, kind):
 
     dirs, results = runs
     hf = load_file(f"{dirs[kind]}/model.safetensors")
-    if kind == "tied":  # vLLM keeps its own head: the export sends it too (DESIGN.md §6)
+    if kind == "tied":  # vLLM keeps its own head: the export sends it too
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
     for tp, pp in LAYOUTS[kind]:
         got = results[(kind, tp, pp)]

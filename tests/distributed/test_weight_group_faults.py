@@ -2,8 +2,8 @@
 closed, the surviving receiver's receive ends within seconds instead of waiting out the group's 600 s timeout, and
 a group formed again with the survivor carries the whole push (pipeline/sync.py repeats it that way).
 
-Three processes on loopback with the same stateless gloo groups the run uses (stages/trainer/weight_sync.py on the
-trainer side, the stateless init of stages/vllm_worker.py on the receivers' side).
+Three processes on loopback with the same stateless gloo groups the run uses (stages/transports/broadcast.py's sender on
+the trainer side, the stateless init its receiver uses on the receivers' side).
 """
 
 import os
@@ -47,14 +47,14 @@ def _next(queue, kind: str, rank: int, timeout_s: float = 60.0) -> tuple:
 
 
 def test_a_receiver_dying_mid_push_ends_the_push_and_the_survivors_receive_at_once():
-    from stages.trainer.weight_sync import BroadcastWeightSync
+    from stages.transports.broadcast import BroadcastSender
 
     ctx = mp.get_context("spawn")
     queue, ports = ctx.Queue(), ctx.Queue()
-    sync = BroadcastWeightSync("gloo")
+    sync = BroadcastSender("gloo")
     group = sync.open(3)
-    survivor = ctx.Process(target=_receiver, args=(1, 3, group["port"], queue, ports))
-    doomed = ctx.Process(target=_receiver, args=(2, 3, group["port"], queue))
+    survivor = ctx.Process(target=_receiver, args=(1, 3, group.port, queue, ports))
+    doomed = ctx.Process(target=_receiver, args=(2, 3, group.port, queue))
     survivor.start()
     doomed.start()
     sync.wait_open()
@@ -66,11 +66,11 @@ def test_a_receiver_dying_mid_push_ends_the_push_and_the_survivors_receive_at_on
                 if i == 20:  # the doomed receiver has taken some of the push: kill it in the middle
                     _next(queue, "got", 2)
                     os.kill(doomed.pid, signal.SIGKILL)
-                yield t
+                yield str(i), t
 
         start, kept = time.monotonic(), []
         try:
-            sync.push(cut(tensors))
+            sync.send(cut(tensors))
             raise AssertionError("the push went through although a receiver died in the middle of it")
         except RuntimeError as err:
             kept.append(err)  # the error kept, as a Ray actor keeps a failed task's while it reports it
@@ -79,9 +79,9 @@ def test_a_receiver_dying_mid_push_ends_the_push_and_the_survivors_receive_at_on
         ended = _next(queue, "ended", 1, timeout_s=30)
         assert ended[2] < TENSORS and ended[3] < 60, ended  # the survivor's receive ended within seconds
 
-        ports.put(sync.open(2)["port"])  # formed again with the survivor: the whole push goes through
+        ports.put(sync.open(2).port)  # formed again with the survivor: the whole push goes through
         sync.wait_open()
-        sync.push(torch.full((1 << 18,), float(i)) for i in range(TENSORS))
+        sync.send((str(i), torch.full((1 << 18,), float(i))) for i in range(TENSORS))
         assert _next(queue, "again", 1)[2] == TENSORS * (TENSORS - 1) / 2
     finally:
         sync.close()
@@ -103,7 +103,7 @@ def _joiner(ports, queue) -> None:
     import torch.distributed as dist
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    from stages.trainer.weight_sync import OP_TIMEOUT
+    from stages.transports import OP_TIMEOUT
 
     queue.put(("ready", 1))
     while True:
@@ -127,17 +127,17 @@ def test_a_receiver_dying_while_the_group_forms_costs_one_short_timeout_not_600_
     """The trainer and the live receiver give up on a group whose third member never joins after the rendezvous
     timeout; the group formed again without it carries a push, and a broadcast in it may wait longer than that
     timeout (the engines drain before they receive)."""
-    from stages.trainer.weight_sync import BroadcastWeightSync
+    from stages.transports.broadcast import BroadcastSender
 
     ctx = mp.get_context("spawn")
     queue, ports = ctx.Queue(), ctx.Queue()
     survivor = ctx.Process(target=_joiner, args=(ports, queue))
     survivor.start()
-    sync = BroadcastWeightSync("gloo")
+    sync = BroadcastSender("gloo")
     try:
         _next(queue, "ready", 1)
         start = time.monotonic()
-        ports.put((sync.open(3, CONNECT_S)["port"], 1, 3))  # rank 2 died before it joined
+        ports.put((sync.open(3, CONNECT_S).port, 1, 3))  # rank 2 died before it joined
         try:
             sync.wait_open()
             raise AssertionError("a group formed without one of its members")
@@ -147,10 +147,10 @@ def test_a_receiver_dying_while_the_group_forms_costs_one_short_timeout_not_600_
         assert CONNECT_S - 1 < trainer_gave_up < 3 * CONNECT_S, trainer_gave_up
         assert _next(queue, "gave_up", 1)[2] < 3 * CONNECT_S
 
-        ports.put((sync.open(2, CONNECT_S)["port"], 1, 2))  # formed again with the live receiver only
+        ports.put((sync.open(2, CONNECT_S).port, 1, 2))  # formed again with the live receiver only
         sync.wait_open()
         time.sleep(CONNECT_S + 2)  # longer than the rendezvous timeout: a collective is not held to it
-        sync.push([torch.full((4,), 2.0)])
+        sync.send({"w": torch.full((4,), 2.0)})
         assert _next(queue, "again", 1)[2] == 8.0
     finally:
         sync.close()

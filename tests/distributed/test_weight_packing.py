@@ -1,7 +1,7 @@
 """The weight broadcast packs small tensors into one buffer and sends large ones alone: both sides cut the stream
 the same way from the tensors' sizes, and the engine side gets every tensor back bit for bit, whatever its dtype.
 
-The round trip runs the trainer's BroadcastWeightSync against the engine's WeightReceiver in another process, over
+The round trip runs the trainer's BroadcastSender against the engine worker's WeightReceiver in another process, over
 the same stateless gloo group a run uses; only vLLM's reload_weights is replaced by a recorder.
 """
 
@@ -10,7 +10,7 @@ import pickle
 import torch
 import torch.multiprocessing as mp
 
-from stages.trainer.weight_sync import ALIGN, PACK_BELOW, PACK_BYTES, pack, packed, unpack
+from stages.transports.packing import ALIGN, PACK_BELOW, PACK_BYTES, pack, packed, unpack
 
 
 def test_small_tensors_are_grouped_in_order_and_a_large_one_goes_alone():
@@ -60,7 +60,7 @@ class _Recorder:
 
 
 def _engine(port: int, meta: tuple, queue) -> None:
-    from stages.vllm_worker import WeightReceiver
+    from stages.engines.vllm_worker import WeightReceiver
 
     receiver = WeightReceiver()
     receiver.model_runner, receiver.rank = _Recorder(), 0  # the one TP rank of its engine
@@ -71,20 +71,21 @@ def _engine(port: int, meta: tuple, queue) -> None:
 
 
 def test_a_push_of_mixed_tensors_arrives_whole_at_the_engine():
-    from stages.trainer.weight_sync import BroadcastWeightSync
+    from stages.transports.broadcast import BroadcastSender
 
     tensors = _tensors()
     names = [f"w{i}" for i in range(len(tensors))]
     meta = (names, [list(t.shape) for t in tensors], [str(t.dtype).removeprefix("torch.") for t in tensors])
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    sync = BroadcastWeightSync("gloo")
-    engine = ctx.Process(target=_engine, args=(sync.open(2)["port"], meta, queue))
+    sync = BroadcastSender("gloo")
+    engine = ctx.Process(target=_engine, args=(sync.open(2).port, meta, queue))
     engine.start()
     try:
         sync.wait_open()
         for scale in (1, 2):
-            sent = sync.push(t * scale if t.is_floating_point() else t for t in tensors)
+            scaled = [t * scale if t.is_floating_point() else t for t in tensors]
+            sent = sync.send(dict(zip(names, scaled, strict=True)))
             assert sent == sum(t.numel() * t.element_size() for t in tensors)
             got = pickle.loads(queue.get(timeout=60))
             for name, want in zip(names, tensors, strict=True):
@@ -97,3 +98,11 @@ def test_a_push_of_mixed_tensors_arrives_whole_at_the_engine():
         if engine.is_alive():
             engine.kill()
     assert engine.exitcode == 0
+
+
+def test_ipc_buckets_hold_up_to_their_bytes_and_a_larger_tensor_alone():
+    from stages.transports.ipc import buckets
+
+    assert list(buckets([3, 4, 2, 9, 1, 1], lambda n: n, 8)) == [[3, 4], [2], [9], [1, 1]]
+    assert sum(buckets(range(1, 20), lambda n: n, 10), []) == list(range(1, 20))  # in order, none lost
+    assert list(buckets([], lambda n: n, 8)) == []

@@ -91,7 +91,7 @@ def _push_reaches_both_ranks(model_dir, log_dir) -> None:
         return max(abs(a - b) for e, r in zip(engine_lp, recomputed, strict=True) for a, b in zip(e, r, strict=True))
 
     def checksums(name: str) -> list[float]:  # one per engine worker, in TP rank order
-        rpc = lambda stage: stage._run(stage.engine.collective_rpc("weight_checksum", args=(name,)))  # noqa: E731
+        rpc = lambda stage: stage.replica.run(stage.replica.engine.llm.collective_rpc("weight_checksum", args=(name,)))  # noqa: E731
         return ray.get(engine.__ray_call__.remote(rpc))
 
     try:
@@ -109,7 +109,7 @@ def _push_reaches_both_ranks(model_dir, log_dir) -> None:
         # final norm is whole on each. (A linear layer's `weight` is empty on CPU, its packed copy has no name.)
         sharded, replicated = "lm_head.weight", "model.norm.weight"
         meta = ray.get(trainer.weight_meta.remote())
-        numel = {n: math.prod(s) for n, s in zip(meta["names"], meta["shapes"], strict=True)}
+        numel = {n: math.prod(s) for n, s in zip(meta.names, meta.shapes, strict=True)}
         assert sum(checksums(sharded)) != pytest.approx(0.25 * numel[sharded])
         ray.get(trainer.set_weight.remote(sharded, 0.25))
         ray.get(trainer.set_weight.remote(replicated, 0.5))

@@ -23,6 +23,7 @@ import pytest
 from pipeline import sync
 from pipeline.clock import VersionClock
 from pipeline.tasks.embedded import TOP_K, build_embedded
+from stages.engines.base import PauseMode
 from stages.generate import VLLMGenerate
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
@@ -141,7 +142,7 @@ def test_routes_survive_partial_rollout_and_match_transformers(ray_session, tmp_
     assert agree >= MIN_AGREEMENT * total, f"abort: {agree}/{total} (token, layer) routes equal transformers'"
 
     # One engine (tens of seconds to start) serves both phases: switch it to keep mode.
-    ray.get(engine.__ray_call__.remote(lambda gen: setattr(gen, "pause_mode", "keep")))
+    ray.get(engine.__ray_call__.remote(lambda gen: setattr(gen.replica, "pause_mode", PauseMode.KEEP)))
     train_step()
     models[2] = weights.publish("v2")
     out = generate_across_syncs((4, 5, 6))

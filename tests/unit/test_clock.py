@@ -5,7 +5,9 @@ import asyncio
 import pytest
 
 from pipeline.clock import VersionClock
+from stages.control import Done, PushWeights
 from stages.staleness import StalenessBudget
+from stages.transports import WeightMeta
 
 
 def run(coro):
@@ -76,12 +78,15 @@ def test_double_admission_and_double_consumption_are_errors():
     run(scenario())
 
 
+META = WeightMeta(("w",), ((2,),), ("float32",))
+
+
 class FakeRay:
     """Ray's restart counts of the replicas' actors, as the clock reads them (-1: dead for good)."""
 
     def __init__(self, monkeypatch) -> None:
         self.restarts: dict[str, int] = {}
-        monkeypatch.setattr("pipeline.clock.actor_restarts", lambda actor_id: self.restarts.get(actor_id, 0))
+        monkeypatch.setattr("pipeline.replicas.actor_restarts", lambda actor_id: self.restarts.get(actor_id, 0))
 
 
 def test_a_message_waits_only_for_replicas_that_are_alive(monkeypatch):
@@ -89,16 +94,17 @@ def test_a_message_waits_only_for_replicas_that_are_alive(monkeypatch):
 
     async def scenario():
         clock = VersionClock(StalenessBudget(1.0, 1, 1, 4), num_replicas=2)
-        assert (await clock.register_replica("a"))["replica"] == 0
-        assert (await clock.register_replica("b"))["replica"] == 1
-        seq = await clock.post({"kind": "sync", "version": 1})
-        await clock.ack(seq, 0, {"replica": 0})
+        assert (await clock.register_replica("a")).replica == 0
+        assert (await clock.register_replica("b")).replica == 1
+        seq = await clock.post(PushWeights(1, META))
+        await clock.ack(seq, 0, Done(0))
         assert await clock.acks_if_complete(seq) is None  # b is alive and has not answered
         ray_state.restarts["b"] = 1  # b died: Ray counts the restart before the new process exists
-        assert await asyncio.wait_for(clock.wait_acks(seq, 30), 5) == [{"replica": 0}]
+        assert await asyncio.wait_for(clock.wait_acks(seq, 30), 5) == [Done(0)]
         assert await clock.members() == {0: 0}
-        later = await clock.post({"kind": "sync", "version": 2})
-        assert (await clock.next_message(later - 1))["to"] == [0]  # a dead replica is not a target
+        later = await clock.post(PushWeights(2, META))
+        posted = await clock.next_message(later - 1)
+        assert posted.to == (0,) and posted.message == PushWeights(2, META)  # a dead replica is not a target
 
     run(scenario())
 
@@ -118,7 +124,7 @@ def test_a_restarted_replica_keeps_its_index_and_its_prompts_are_counted_once(mo
         await clock.replica_failed(0, "its vLLM engine died (EngineDeadError)")
         assert await clock.reserve_replica("a") == 0  # the same actor, restarted: the same replica
         reg = await clock.register_replica("a", pid=12)
-        assert reg["replica"] == 0 and reg["weights"] == (3, "/store/snapshot-000003.safetensors")
+        assert (reg.replica, reg.version, reg.url) == (0, 3, "/store/snapshot-000003.safetensors")
         faults = await clock.faults()
         assert faults["fault/engine_restarts"] == 1 and faults["fault/readmitted_prompts"] == 1  # p2 only
         assert faults["events"][0]["cause"] == "its vLLM engine died (EngineDeadError)"

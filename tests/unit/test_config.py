@@ -42,18 +42,19 @@ def test_wrong_type_is_an_error():
 
 
 def test_stage_keyword_typo_names_the_parameter():
-    from pipeline.stream import _construct
+    from pipeline.config import bind, stage_class
 
     spec = dict(load_config(None).stages.reward, timout_s=3)
+    cls, extra = stage_class(spec, "stages.reward")
     with pytest.raises(ConfigError, match="Did you mean 'timeout_s'"):
-        _construct(spec, "stages.reward", {})
+        bind(cls, "stages.reward", {}, extra)
 
 
 def test_stage_target_must_import():
-    from pipeline.stream import _construct
+    from pipeline.config import stage_class
 
     with pytest.raises(ConfigError, match="cannot be imported"):
-        _construct({"_target_": "stages.reward.NoSuchStage"}, "stages.reward", {})
+        stage_class({"_target_": "stages.reward.NoSuchStage"}, "stages.reward")
 
 
 def test_stage_swap_is_declarative(tmp_path):

@@ -139,7 +139,7 @@ def test_a_tied_head_follows_its_embedding_and_is_published_as_a_copy(tmp_path):
     shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     Qwen2ForCausalLM(Qwen2Config(vocab_size=40, tie_word_embeddings=True, **shape)).save_pretrained(tmp_path / "m")
     trainer = TorchTrainer(str(tmp_path / "m"))
-    names = trainer.weight_meta()["names"]
+    names = trainer.weight_meta().names
     assert names[names.index("model.embed_tokens.weight") + 1] == "lm_head.weight"
     trainer.publish_weights(str(tmp_path / "w.safetensors"))  # safetensors refuses two names on one storage
     weights = load_file(tmp_path / "w.safetensors")

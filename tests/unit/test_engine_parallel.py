@@ -10,7 +10,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.config.checks import check_engine_heads
 from pipeline.config.placement import HEAD, check, engine_gpus, layout, resolve
 from pipeline.sync import group_ranks, make_syncer
-from stages.vllm_engine import CPU_BINDING, cpu_binding, parallel_args
+from stages.engines.vllm import CPU_BINDING, cpu_binding, parallel_args
 
 KEY = "rollout.tensor_model_parallel_size"
 
@@ -101,7 +101,7 @@ def _problem(cfg, nodes):
 
 
 def test_a_replica_asks_ray_for_a_gpu_per_engine_rank():
-    cfg = load_config(None, [f"{KEY}=4", "rollout.num_replicas=2"])
+    cfg = load_config(None, [f"{KEY}=4", "rollout.num_replicas=2", "trainer.backend=sim"])  # a trainer without GPUs
     assert engine_gpus(cfg, 8.0) == 4.0
     assert engine_gpus(cfg, 0.0) == 0.0  # no GPU in the cluster: the engine runs on CPU
     assert _problem(cfg, [GPU_NODE]) is None  # two engines of 4 GPUs on one 8-GPU node

@@ -3,6 +3,8 @@
     schemas  <-  stages  <-  pipeline helpers (config <- tasks, observe, sim)  <-  the driver (pipeline/*.py)
 
 An arrow points from what is imported to its importer; nothing imports upward. bench/, infra/ and tests/ sit on top.
+Inside stages/ the rooms (ROOMS) import only what they build on, stages reach the VersionClock only through
+stages.control.ClockLink, and every call they make on it exists on the clock.
 """
 
 import ast
@@ -68,3 +70,75 @@ def test_pipeline_itself_holds_only_the_driver():
     driver = sorted(p.stem for p in (ROOT / "pipeline").glob("*.py") if p.stem != "__init__")
     assert len(driver) <= 12, driver
     assert "run" in driver and "config" not in driver
+
+
+def _calls(path: Path, attribute: str) -> list[int]:
+    """Lines of `path` that call something named `attribute`."""
+    tree = ast.parse(path.read_text())
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attribute
+    ]
+
+
+def test_stages_reach_the_clock_only_through_its_link():
+    """A stage finds the VersionClock's actor only in stages/control.py (ClockLink), so every call it makes on the
+    clock is one that the next test checks."""
+    stages = sorted((ROOT / "stages").rglob("*.py"))
+    found = {str(p.relative_to(ROOT)): _calls(p, "get_actor") for p in stages if p.name != "control.py"}
+    assert not {p: lines for p, lines in found.items() if lines}, "find the clock with stages.control.ClockLink"
+
+
+def test_every_clock_call_a_stage_makes_exists_on_the_clock():
+    """The clock's API as the stages use it at run time: each call of stages.control's protocols is a coroutine of
+    the VersionClock with the same parameters, ClockLink implements it, and every actor method ClockLink calls exists
+    (a renamed clock method would otherwise fail only inside a running replica)."""
+    import inspect
+
+    from pipeline.clock import VersionClock
+    from stages.control import ClockLink, GateClock, ReplicaClock
+
+    def params(fn) -> list[str]:
+        return [p for p in inspect.signature(fn).parameters if p != "self"]
+
+    for protocol in (ReplicaClock, GateClock):
+        for name, spec in vars(protocol).items():
+            if name.startswith("_") or not callable(spec):
+                continue
+            clock = getattr(VersionClock, name, None)
+            assert inspect.iscoroutinefunction(clock), f"VersionClock has no coroutine {name}, which stages call"
+            assert params(clock) == params(spec), (name, params(clock), params(spec))
+            assert params(getattr(ClockLink, name)) == params(spec), f"ClockLink.{name}"
+    tree = ast.parse((ROOT / "stages" / "control.py").read_text())
+    called = {
+        n.value.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr == "remote" and isinstance(n.value, ast.Attribute)
+    }
+    assert called and all(inspect.iscoroutinefunction(getattr(VersionClock, c, None)) for c in called), called
+
+
+# Rooms inside stages/ and what each may import of stages/ besides itself (schemas/ always): the transports need
+# torch alone (a pair runs without the rest), the control plane only names the transports' types, an engine knows
+# nothing of the replica above it, and the replica knows engines only through their interface.
+ROOMS = {
+    "stages.ray_internals": set(),
+    "stages.transports": set(),
+    "stages.control": {"stages.transports"},
+    "stages.engines": {"stages.agents", "stages.engine_busy", "stages.transports", "stages.sim.workload"},
+    "stages.replica": {"stages.agents", "stages.control", "stages.engines.base"},
+}
+
+
+def _room(module: str) -> str | None:
+    return next((r for r in ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if _room(_module(p))], ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_room_imports_only_what_it_builds_on(path):
+    room = _room(_module(path))
+    allowed = ROOMS[room] | {room}
+    ours = [m for m in _imports(path) if m.split(".")[0] == "stages"]
+    outside = [m for m in ours if not any(m == a or m.startswith(a + ".") for a in allowed)]
+    assert not outside, f"{path.relative_to(ROOT)} ({room}) imports {outside}; it may import {sorted(allowed)}"

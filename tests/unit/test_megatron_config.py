@@ -75,11 +75,11 @@ def test_random_model_fits_every_gpu_preset(tmp_path):
 def test_nccl_and_ipc_need_cuda():
     import torch
 
-    from stages.trainer.weight_sync import make_weight_sync
+    from stages.transports import make_sender
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     for backend in ("nccl", "ipc"):
         with pytest.raises(RuntimeError, match="use weight_sync.backend=gloo on CPU"):
-            make_weight_sync(backend)
-    assert make_weight_sync("gloo").backend == "gloo"
+            make_sender(backend)
+    assert make_sender("gloo").backend == "gloo"

@@ -179,6 +179,7 @@ def test_verls_keys_and_their_defaults():
         ),
         (["trainer.backend=megatron", "actor.fsdp_config.param_offload=true"], "the megatron backend has no offload"),
         (["actor.fsdp_config.param_offload=true", "weight_sync.backend=nccl"], "use weight_sync.backend=gloo"),
+        (["actor.fsdp_config.param_offload=true", "weight_sync.backend=ipc"], "backend=ipc sends GPU tensors"),
     ],
 )
 def test_bad_keys_are_one_clear_error(overrides, message):

@@ -63,6 +63,7 @@ def test_logging_error_warns_once_and_training_goes_on(tmp_path, capsys):
     uri = sqlite_uri(tmp_path)
     monitor = MlflowMonitor(uri, "unit", "r", {}, {})
     monitor.log({"reward/mean": 0.5}, 1)
+    monitor.flush()
     MlflowClient(tracking_uri=uri).delete_run(monitor.run_id)  # e.g. deleted from the UI mid-run
     for step in range(2, 6):
         monitor.log({"reward/mean": 0.5}, step)  # must not raise

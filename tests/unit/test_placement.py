@@ -158,3 +158,31 @@ def test_peer_ranks_go_in_their_nodes_bundle():
     bundles = [spread.strategy(r).placement_group_bundle_index for r in range(1, 8)]
     assert bundles == [0, 0, 0, 1, 1, 1, 1]  # ranks 0-3 (one TP group of 4) on the first node
     assert spread.strategy(5).placement_group is group
+
+
+def test_every_trainer_that_holds_weights_asks_for_its_gpus():
+    from pipeline.config.placement import trainer_rank_gpus
+
+    assert trainer_rank_gpus(cfg_of(), cluster_gpus=1) == 1.0  # the torch backend's single rank too
+    assert trainer_rank_gpus(cfg_of("trainer.backend=megatron"), cluster_gpus=1) == 1.0
+    assert trainer_rank_gpus(cfg_of("actor.fsdp_config.fsdp_size=2"), cluster_gpus=2) == 1.0
+    assert trainer_rank_gpus(cfg_of("trainer.backend=sim"), cluster_gpus=1) == 0.0  # it holds no weights
+    assert trainer_rank_gpus(cfg_of(), cluster_gpus=0) == 0.0  # a CPU cluster
+
+
+def test_one_gpu_holds_an_engine_and_the_torch_trainer_only_in_halves():
+    one_gpu = [{"CPU": 16.0, "GPU": 1.0, HEAD: 1.0, "node:127.0.0.1": 1.0}]
+    message = problem(cfg_of(), one_gpu)
+    assert "ask for 2 GPU on the cluster, which has 1 GPU" in message
+    assert "ray.gpus_per_trainer_rank" in message and "ray.gpus_per_engine" in message
+    assert problem(cfg_of("ray.gpus_per_engine=0.5", "ray.gpus_per_trainer_rank=0.5"), one_gpu) is None
+
+
+def test_the_reference_model_asks_for_the_gpu_it_is_given():
+    one_gpu = [{"CPU": 16.0, "GPU": 1.0, HEAD: 1.0, "node:127.0.0.1": 1.0}]
+    halves = ["ray.gpus_per_engine=0.5", "ray.gpus_per_trainer_rank=0.5"]
+    assert problem(cfg_of(*halves), one_gpu, reference=True) is None  # 0 by default: on the CPU
+    message = problem(cfg_of(*halves, "ray.gpus_per_reference=0.25"), one_gpu, reference=True)
+    assert "ask for 1.25 GPU" in message and "ray.gpus_per_reference" in message
+    tenths = ["ray.gpus_per_engine=0.45", "ray.gpus_per_trainer_rank=0.45", "ray.gpus_per_reference=0.1"]
+    assert problem(cfg_of(*tenths), one_gpu, reference=True) is None

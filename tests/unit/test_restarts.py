@@ -12,6 +12,8 @@ from pipeline import checkpoint
 from pipeline.config import load_config
 from pipeline.finish import RunFailed, restart_from_checkpoint, trainer_death
 from pipeline.observe.faults import FaultLog
+from stages.control import Done, Failed, JoinGroup
+from stages.transports import GroupAddress, WeightMeta
 
 TRAINER_ID = "ab" * 16
 
@@ -102,16 +104,16 @@ class _Trainer:
     def __init__(self) -> None:
         self.opened: list[int] = []
 
-    def open_weight_sync(self, world_size: int, connect_timeout_s: float) -> dict:
+    def open_weight_sync(self, world_size: int, connect_timeout_s: float) -> GroupAddress:
         self.opened.append(world_size)
-        return {"host": "127.0.0.1", "port": 1, "backend": "gloo", "connect_timeout_s": connect_timeout_s}
+        return GroupAddress("127.0.0.1", 1, "gloo", connect_timeout_s)
 
     def wait_weight_sync(self) -> None:
         if len(self.opened) == 1:
             raise RuntimeError("weight-sync group failed to form: timed out waiting for rank 2")
 
-    def weight_meta(self) -> dict:
-        return {"names": [], "shapes": [], "dtypes": []}
+    def weight_meta(self) -> WeightMeta:
+        return WeightMeta((), (), ())
 
     def push_weights(self) -> dict:
         return {"sync/bytes": 0.0}
@@ -124,7 +126,7 @@ class _Clock:
     """Two replicas; replica 1 is gone by the time the first formation has failed."""
 
     def __init__(self) -> None:
-        self.posted: list[dict] = []
+        self.posted: list[tuple] = []  # (message, to)
         self.finished: list[int] = []
 
     def pause_admission(self) -> dict[int, int]:
@@ -136,20 +138,20 @@ class _Clock:
     def members(self) -> dict[int, int]:
         return {0: 0, 1: 0} if not self.posted else {0: 0}
 
-    def post(self, message: dict, to: list[int]) -> int:
-        self.posted.append({**message, "to": to})
+    def post(self, message, to: list[int]) -> int:
+        self.posted.append((message, to))
         return len(self.posted)
 
-    def wait_acks(self, seq: int, timeout_s: float) -> list[dict]:
-        message = self.posted[seq - 1]
-        if message["kind"] == "init_group" and seq == 1:
-            return [{"replica": 0, "failed": "DistStoreError: timed out"}]
-        return [{"replica": r} for r in message["to"]]
+    def wait_acks(self, seq: int, timeout_s: float) -> list:
+        message, to = self.posted[seq - 1]
+        if isinstance(message, JoinGroup) and seq == 1:
+            return [Failed(0, "DistStoreError: timed out")]
+        return [Done(r) for r in to]
 
     def finish_sync(self, version: int, snapshot=None) -> None:
         self.finished.append(version)
 
-    def history(self) -> tuple[list[dict], list[int]]:
+    def history(self) -> tuple[list[tuple], list[int]]:
         return self.posted, self.finished
 
 
@@ -166,8 +168,9 @@ def test_a_group_that_fails_to_form_is_formed_again_with_the_live_replicas(ray_s
     metrics = push.sync(1)
     posted, finished = ray.get(clock.history.remote())
     assert ray.get(trainer.history.remote()) == [3, 2]  # trainer + 2 replicas, then trainer + the survivor
-    assert [(m["kind"], m["to"]) for m in posted] == [("init_group", [0, 1]), ("init_group", [0]), ("sync", [0])]
-    assert all(m["connect_timeout_s"] == 5.0 for m in posted[:2])
+    kinds = [(type(m).__name__, to) for m, to in posted]
+    assert kinds == [("JoinGroup", [0, 1]), ("JoinGroup", [0]), ("PushWeights", [0])]
+    assert all(m.address.connect_timeout_s == 5.0 for m, _ in posted[:2])
     assert finished == [1] and push.group == {0: 0} and "sync/trainer_blocked_s" in metrics
 
 

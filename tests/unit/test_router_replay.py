@@ -11,7 +11,7 @@ from pipeline.config import ConfigError, load_config
 from stages.trainer.settings import PolicySettings, RouterReplaySettings
 from stages.trainer.step import NO_ROUTE, Minibatch, StepTotals, pad_routes, route_row_versions
 from stages.trainer.torch_backend import TorchTrainer
-from tests.moe_model import batch, build_tiny_moe, other_routes, own_routes
+from tests.moe_model import batch, build_tiny_moe, minibatch, other_routes, own_routes
 
 R3 = PolicySettings(router_replay=RouterReplaySettings(mode="R3"), micro_batch_size=2, lr=1e-3)
 
@@ -22,17 +22,6 @@ def moe(request, tmp_path_factory):
     model_dir = build_tiny_moe(tmp_path_factory.mktemp("moe"), norm_topk_prob=request.param)
     prompts, responses = batch()
     return model_dir, prompts, responses, own_routes(model_dir, prompts, responses)
-
-
-def _rows(prompts, responses, routes, logprobs=None) -> dict[str, list]:
-    return {
-        "prompt_ids": prompts,
-        "response_ids": responses,
-        "response_mask": [[1] * len(r) for r in responses],
-        "response_logprobs": logprobs or [[-1.0] * len(r) for r in responses],
-        "advantage": [1.0, -1.0, 0.5][: len(responses)],
-        "routed_experts": routes,
-    }
 
 
 def _context_tokens(prompts, responses) -> int:
@@ -70,12 +59,12 @@ def _router_grads(trainer: TorchTrainer, rows: dict) -> list[torch.Tensor]:
 def test_the_router_gets_gradients_under_replay(moe):
     model_dir, prompts, responses, own = moe
     trainer = TorchTrainer(str(model_dir), policy=R3)
-    with_own = _router_grads(trainer, _rows(prompts, responses, own))
-    forced = _router_grads(trainer, _rows(prompts, responses, other_routes(own)))
+    with_own = _router_grads(trainer, minibatch(prompts, responses, own))
+    forced = _router_grads(trainer, minibatch(prompts, responses, other_routes(own)))
     assert all(g.abs().sum() > 0 for g in forced)
     plain = TorchTrainer(str(model_dir), policy=PolicySettings(micro_batch_size=2))
     plain.model.zero_grad(set_to_none=True)
-    rows = _rows(prompts, responses, None)
+    rows = minibatch(prompts, responses, None)
     Minibatch.of(rows, plain.policy).loss(plain._token_logprobs, slice(0, 3), plain.policy).total.backward()
     routers = [m for m in plain.model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
     for replayed, own_grad in zip(with_own, routers, strict=True):  # own routes: the model's own gradient
@@ -85,38 +74,38 @@ def test_the_router_gets_gradients_under_replay(moe):
 def test_router_mismatch_is_zero_for_own_routes_and_counts_the_others(moe):
     model_dir, prompts, responses, own = moe
     trainer = TorchTrainer(str(model_dir), policy=R3)
-    assert trainer.train_step([_rows(prompts, responses, own)])["actor/router_mismatch"] == 0.0
+    assert trainer.train_step([minibatch(prompts, responses, own)])["actor/router_mismatch"] == 0.0
     trainer = TorchTrainer(str(model_dir), policy=R3)
-    assert trainer.train_step([_rows(prompts, responses, other_routes(own))])["actor/router_mismatch"] == 1.0
+    assert trainer.train_step([minibatch(prompts, responses, other_routes(own))])["actor/router_mismatch"] == 1.0
     half = [own[0], *other_routes(own[1:])]  # the first sequence replays its own routes
-    share = trainer.train_step([_rows(prompts, responses, half)])["actor/router_mismatch"]
+    share = trainer.train_step([minibatch(prompts, responses, half)])["actor/router_mismatch"]
     others = _context_tokens(prompts[1:], responses[1:]) / _context_tokens(prompts, responses)
     assert 0 < share < 1 and share == pytest.approx(others, abs=0.15)  # one step of training may move a few
     off = TorchTrainer(str(model_dir), policy=PolicySettings(micro_batch_size=2))
-    assert "actor/router_mismatch" not in off.train_step([_rows(prompts, responses, None)])
+    assert "actor/router_mismatch" not in off.train_step([minibatch(prompts, responses, None)])
 
 
 def test_the_proximal_pass_replays_the_routes_too(moe):
     """Anchors recomputed under the same forced routes: the first update's ratio is exactly 1."""
     model_dir, prompts, responses, own = moe
     trainer = TorchTrainer(str(model_dir), policy=R3, compute_prox_log_prob=True)
-    metrics = trainer.train_step([_rows(prompts, responses, other_routes(own))])
+    metrics = trainer.train_step([minibatch(prompts, responses, other_routes(own))])
     assert metrics["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_a_minibatch_without_routes_is_one_clear_error():
     prompts, responses = batch()
-    rows = _rows(prompts, responses, None)
+    rows = minibatch(prompts, responses, None)
     del rows["routed_experts"]
     with pytest.raises(KeyError, match=r"routed_experts column.*3 of 3 rows.*enable_rollout_routing_replay"):
         Minibatch.of(rows, R3)
     with pytest.raises(KeyError, match=r"routed_experts column.*3 of 3 rows"):
-        Minibatch.of(_rows(prompts, responses, [None] * 3), R3)
+        Minibatch.of(minibatch(prompts, responses, [None] * 3), R3)
     Minibatch.of(rows, PolicySettings())  # without replay the column is not needed
     short = [[[0, 1, 2, 3]] * (len(p) + len(r) - 2) for p, r in zip(prompts, responses, strict=True)]
     with pytest.raises(ValueError, match=r"row 0: routed_experts has \d+ rows for"):
-        Minibatch.of(_rows(prompts, responses, short), R3)
+        Minibatch.of(minibatch(prompts, responses, short), R3)
 
 
 def test_routes_of_another_shape_or_a_dense_model_are_refused(moe, tmp_path):
@@ -175,7 +164,7 @@ def test_stale_router_mismatch_counts_only_rows_older_weights_computed(moe):
     model_dir, prompts, responses, own = moe
     trainer = TorchTrainer(str(model_dir), policy=R3)
     forced = other_routes(own)
-    rows = _rows(prompts, responses, [own[0], forced[1], forced[2]])
+    rows = minibatch(prompts, responses, [own[0], forced[1], forced[2]])
     t2 = len(responses[2])
     rows["token_param_version"] = [[0] * len(responses[0]), [1] * len(responses[1]), [0] + [1] * (t2 - 1)]
     rows["routes_version"] = [0, 1, 0]

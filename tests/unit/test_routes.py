@@ -17,8 +17,8 @@ from pipeline.config import ConfigError, load_config
 from pipeline.observe.audit import _route_rows, route_width
 from stages.agents import complete_routes, generate_resumable
 from stages.agents.single_turn import SingleTurnAgentLoop
-from stages.vllm_routes import HookRoutes, NativeRoutes, make_route_capture
-from stages.vllm_worker import RouteCapture
+from stages.engines.vllm_routes import HookRoutes, NativeRoutes, make_route_capture
+from stages.engines.vllm_worker import RouteCapture
 from tests.unit.test_agents import CALL, FakeEngine, run, tool_loop
 
 LAYERS, K = 2, 2

@@ -326,28 +326,3 @@ def test_a_shard_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.setattr(sample_log.pq, "write_table", real)
     assert sorted(p.name for p in (tmp_path / "samples").glob("*.parquet")) == ["part-1.parquet"]
     assert pds.dataset(str(tmp_path / "samples")).to_table()["sample_id"].to_pylist() == ["p/0"]  # skips "_..."
-
-
-def test_ray_data_still_waits_on_the_constant_the_stream_shortens():
-    """pipeline.stream sets Ray Data's scheduling wait by its module-level name; a Ray that renamed it would
-    silently bring back 0.1 s per hop."""
-    import inspect
-
-    from ray.data._internal.execution import streaming_executor_state
-
-    from pipeline.stream import SCHEDULING_WAIT_S, configure_data_context
-
-    assert "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S" in inspect.getsource(streaming_executor_state.process_completed_tasks)
-    configure_data_context(-1)
-    assert streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S == SCHEDULING_WAIT_S
-
-
-def test_ray_data_fetches_block_metadata_in_its_loop_once_the_stream_says_so():
-    """pipeline.stream turns Ray Data's metadata thread off by its module-level switch (one round of the scheduling
-    loop less per hop); a Ray that renamed the switch would silently bring the thread back."""
-    from ray.data._internal.execution import metadata_fetcher
-
-    from pipeline.stream import configure_data_context
-
-    configure_data_context(-1)
-    assert isinstance(metadata_fetcher.make_metadata_fetcher(), metadata_fetcher.InlineMetadataFetcher)

