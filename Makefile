@@ -53,6 +53,7 @@ bench: install
 	$(PY) -m bench.prompts_1m
 	$(PY) -m bench.routes
 	$(PY) -m bench.data_parallel
+	$(PY) -m bench.trainer_efficiency
 
 # asyncrl against TRL's GRPOTrainer on the same work (docs/benchmarks.md, "Against TRL"); installs TRL into a virtualenv
 # of its own (~/.cache/asyncrl/peers-venv) on first use. About 30 minutes on 2 cores; pass options with ARGS.

@@ -24,6 +24,7 @@ from ray.data import ActorPoolStrategy, DataContext
 from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, bind, stage_class
+from pipeline.config.execution import reference_options
 from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, reference_gpus, split_actors
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
@@ -218,7 +219,7 @@ def stream_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
     stages = [_gate(inputs), Stage("generate", gen_cls, gen_kwargs, engine)]
     if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
         ref_cls, ref_extra = stage_class(cfg.stages.ref_logprob, "stages.ref_logprob")
-        ref_wiring = {"model_dir": reference_model_dir(cfg, inputs.model_dir, inputs.run_dir)}
+        ref_wiring = {"model_dir": reference_model_dir(cfg, inputs.model_dir, inputs.run_dir), **reference_options(cfg)}
         ref_kwargs = bind(ref_cls, "stages.ref_logprob", ref_wiring, ref_extra)
         # A fraction of a CPU: a stage actor holding a whole CPU can deadlock a small machine.
         ref_options = {

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from pipeline.config import ConfigError
+from pipeline.config.execution import trainer_execution
 from pipeline.config.placement import (
     describe_nodes,
     describe_resources,
@@ -77,6 +78,7 @@ def _backend(ctx: RunContext) -> tuple[type, dict]:
     extra: dict = {
         "weight_sync_backend": cfg.weight_sync.backend,
         "rollout_correction": cfg.algorithm.rollout_correction,
+        "execution": trainer_execution(cfg),
     }
     if cfg.trainer.backend == "megatron":
         from stages.trainer.megatron_backend import MegatronTrainer as Trainer

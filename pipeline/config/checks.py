@@ -4,6 +4,7 @@ after the merge."""
 
 from __future__ import annotations
 
+from pipeline.config.execution import execution_checks
 from pipeline.config.reward import CustomRewardFunctionConfig
 from pipeline.config.rollout import MultiTurnConfig
 from pipeline.config.schema import ConfigError, RunConfig, monitor_names
@@ -73,6 +74,7 @@ def validate(cfg: RunConfig) -> None:
         + _reward_checks(cfg)
         + _engine_tp_checks(cfg)
         + _engine_checks(cfg)
+        + execution_checks(cfg)
     ):
         if not ok:
             raise ConfigError(message)

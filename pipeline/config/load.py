@@ -24,6 +24,7 @@ DEFAULT_CONFIG = CONF_DIR / "default.yaml"
 VERL_ALIASES = {
     "actor_rollout_ref.actor": "actor",
     "actor_rollout_ref.rollout": "rollout",
+    "actor_rollout_ref.ref": "ref",
     "actor_rollout_ref.model": "model",
     "custom_reward_function": "reward.custom_reward_function",
     "reward_model.reward_manager": "reward.reward_manager.name",

@@ -123,6 +123,14 @@ class RolloutConfig:
     enable_rollout_routing_replay: bool = False
     """MoE models: the engines return the experts their routers chose for every token (the `routed_experts` column),
     for the trainer to force the same routes (verl's rollout key of router replay R3)."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Rows per forward pass of the trainer's proximal recompute (async_training.compute_prox_log_prob); null:
+    actor.ppo_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut the proximal recompute's passes by token count (log_prob_max_token_len_per_gpu each); null: as
+    actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """The proximal recompute's token budget per pass; null: actor.ppo_max_token_len_per_gpu."""
     dtype: Literal["bfloat16", "float32"] | None = None
     """The engines' dtype (verl's key): null is bfloat16 on a GPU, float32 on CPU."""
     routed_experts_capture: Literal["auto", "hook", "native"] = "auto"

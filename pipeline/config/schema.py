@@ -23,7 +23,7 @@ from pipeline.config.rollout import RolloutConfig
 from stages.reward_manager import OverlongBuffer, RewardManager
 from stages.sim.workload import Workload
 from stages.trainer.precision import DTypeName, MixedPrecision
-from stages.trainer.settings import CorrectionSettings, PolicySettings
+from stages.trainer.settings import CorrectionSettings, MegatronRecompute, PolicySettings
 
 MONITORS = ("console", "mlflow", "tensorboard", "file", "jsonl", "null")
 
@@ -150,6 +150,9 @@ class MegatronConfig:
     The trainer has tensor_model_parallel_size x pipeline_model_parallel_size ranks."""
     export_bucket_mb: int = 64
     """Weights leave the trainer gathered across TP ranks in buckets of about this many MiB of local shards."""
+    override_transformer_config: MegatronRecompute = field(default_factory=MegatronRecompute)
+    """megatron-core's activation recompute (verl's `recompute_granularity`, `recompute_method`,
+    `recompute_num_layers`, `recompute_modules` under this key)."""
     dtype: Literal["bfloat16", "float32"] | None = None
     """The model's dtype (verl's key): 'bfloat16' trains bf16 parameters with megatron's fp32 main weights and fp32
     optimizer state (its distributed optimizer: a GPU only); null: bfloat16 on a GPU, float32 on CPU."""
@@ -161,6 +164,11 @@ class FSDPConfig:
     """Data-parallel ranks of trainer.backend=torch (verl's key), each an FSDP2 shard of the model training its
     token-balanced share of every mini-batch; 1 is one process without sharding; -1 (verl's 'every trainer GPU')
     is trainer.n_gpus_per_node x trainer.nnodes."""
+    param_offload: bool = False
+    """Parameters and gradients in CPU memory between steps, on the GPU only during a step (torch backend; nothing
+    moves on CPU)."""
+    optimizer_offload: bool = False
+    """AdamW's state in CPU memory between steps (torch backend; nothing moves on CPU)."""
     model_dtype: DTypeName = "fp32"
     """Dtype the weights are loaded in, updated and kept in by AdamW (verl's key): fp32 master weights by default."""
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
@@ -228,6 +236,12 @@ class ModelConfig:
     arch: Literal["dense", "moe"] = "dense"
     """The embedded model's architecture: 'dense' (Qwen2) or 'moe' (Qwen3-MoE, 4 experts, top-2). A model directory
     says what it is in its config.json; this key does not apply to it."""
+    use_remove_padding: bool = False
+    """Pack each micro-batch's sequences into one row, attention confined to each (stages/trainer/packing.py), in
+    the trainer, its proximal recompute and the reference model, instead of right-padding them."""
+    enable_gradient_checkpointing: bool = False
+    """Activation checkpointing of the torch backend's decoder layers: the backward recomputes each layer's
+    activations from its input (trainer.backend=megatron: actor.megatron.override_transformer_config.recompute_*)."""
     warm_start_steps: int = 500
     """Supervised steps on the embedded task before RL (0 to skip); only for the embedded model."""
     warm_start_lr: float = 2e-3
@@ -356,11 +370,33 @@ class StagesConfig:
 
 
 @dataclass
+class RefFSDPConfig:
+    param_offload: bool = False
+    """The reference model's weights in CPU memory between calls, on its GPU only while it computes."""
+
+
+@dataclass
+class RefConfig:
+    """verl's `actor_rollout_ref.ref.*`: how the reference model (stages.ref_logprob.RefLogprob) cuts its batches and
+    keeps its weights."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Rows per forward pass; null: the stage's own micro_batch_size (stages.ref_logprob.micro_batch_size)."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut the passes by token count (log_prob_max_token_len_per_gpu each); null: as actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """The token budget per pass; null: actor.ppo_max_token_len_per_gpu."""
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
+    """The reference model's offload."""
+
+
+@dataclass
 class RunConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

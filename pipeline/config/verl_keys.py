@@ -108,7 +108,7 @@ RULES: dict[str, Rule] = {
     "actor_rollout_ref.nccl_timeout": note(
         "the weight sync's waits are weight_sync.connect_timeout_s to form a group and 600 s per broadcast"
     ),
-    "actor_rollout_ref.ref.*": note(_REF),
+    "ref.*": note(_REF),  # verl's actor_rollout_ref.ref.*, as the aliases spell it
     # --- the model ------------------------------------------------------------------------------------------------
     "model.use_fused_kernels": note("logprobs and entropy come from the model's plain forward; results the same"),
     "model.trust_remote_code": note("models load with transformers' own architectures; no remote code runs"),
@@ -160,9 +160,6 @@ RULES: dict[str, Rule] = {
         "verl's tool config files: the tools are asyncrl's own (rollout.multi_turn.tools: calculator, python)"
     ),
     "rollout.single_turn_response_length": note("verl's code does not read it either"),
-    "rollout.log_prob_micro_batch_size_per_gpu": note(
-        "the proximal pass runs in actor.micro_batch_size (ppo_micro_batch_size_per_gpu) sequences"
-    ),
     # --- data -----------------------------------------------------------------------------------------------------
     "data.train_batch_size": capability(
         "a fixed train batch: fully async trains require_batches x ppo_mini_batch_size prompts per step, and verl's "

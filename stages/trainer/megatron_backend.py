@@ -41,7 +41,7 @@ from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
 from stages.trainer.correction import correct_minibatches
 from stages.trainer.megatron_rank import MegatronRank
 from stages.trainer.ranks import RankPlacement, free_port, node_address
-from stages.trainer.settings import CorrectionSettings, PolicySettings, correction_mode_error
+from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings, correction_mode_error
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta, make_sender
@@ -86,11 +86,15 @@ class MegatronTrainer(SendsWeights):
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
         rank_placement: RankPlacement | None = None,
+        execution: ExecutionSettings | None = None,
+        override_transformer_config: dict | None = None,
     ) -> None:
         """`data_parallel_size`: model replicas, each of `tensor_model_parallel_size x pipeline_model_parallel_size`
         ranks. `dtype`: the parameters' (MegatronRank). `gpus_per_rank`, `rank_resources`: what each peer rank asks
         Ray for (ray.gpus_per_trainer_rank on a GPU cluster; a share of the trainer nodes' custom resource,
-        pipeline/config/placement.py); `rank_placement`: the trainer's nodes (default: all on this one)."""
+        pipeline/config/placement.py); `rank_placement`: the trainer's nodes (default: all on this one).
+        `execution`, `override_transformer_config`: MegatronRank's (packing, the proximal pass's micro-batches;
+        activation recompute)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, not {data_parallel_size}")
         policy = policy or PolicySettings()
@@ -106,6 +110,8 @@ class MegatronTrainer(SendsWeights):
             seed=seed,
             torch_threads=torch_threads,
             bypass=None if self.recompute else self.correction,
+            execution=execution,
+            override_transformer_config=override_transformer_config,
             dtype=dtype,
         )
         self.tp, self.pp, self.dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size

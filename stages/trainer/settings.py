@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from stages.trainer.lr_schedule import OptimSettings
+from stages.trainer.micro_batches import MicroBatching
 
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # verl's policy-loss registry (verl/trainer/ppo/core_algos.py); stages/trainer/policy_loss registers each of them
@@ -50,6 +51,8 @@ RSOption = Literal[
 ]
 LegacyRSMode = Literal["sequence", "geometric"]
 RouterReplayMode = Literal["disabled", "R2", "R3"]
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
 
 
 @dataclass
@@ -172,7 +175,14 @@ class PolicySettings:
     grad_clip: float = 1.0
     """Max global grad norm."""
     micro_batch_size: int = 32
-    """Trajectories per forward/backward pass (gradient accumulation; memory only)."""
+    """Trajectories per forward/backward pass (gradient accumulation; memory only); unused with use_dynamic_bsz."""
+    use_dynamic_bsz: bool = False
+    """Cut each mini-batch into micro-batches by token count instead (verl's key): at most ppo_max_token_len_per_gpu
+    tokens (prompt + response) each, as few as that allows, their costs balanced (stages/trainer/micro_batches.py).
+    Memory only: the update is the same."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """The token budget of a training micro-batch with use_dynamic_bsz (per rank); at least the longest prompt +
+    response, since a row is never split."""
     router_replay: RouterReplaySettings = field(default_factory=RouterReplaySettings)
     """MoE routing replay (verl's `actor.router_replay`): 'R3' trains with the engine's expert choices."""
 
@@ -185,6 +195,16 @@ class PolicySettings:
             raise ValueError(f"actor.loss_scale_factor must be > 0 or null, not {self.loss_scale_factor}")
         if self.tau_pos <= 0 or self.tau_neg <= 0:
             raise ValueError(f"actor.tau_pos and actor.tau_neg must be > 0, not {self.tau_pos} and {self.tau_neg}")
+        if self.micro_batch_size < 1 or self.ppo_max_token_len_per_gpu < 1:
+            raise ValueError(
+                "actor.ppo_micro_batch_size_per_gpu (micro_batch_size) and actor.ppo_max_token_len_per_gpu must be "
+                f">= 1, not {self.micro_batch_size} and {self.ppo_max_token_len_per_gpu}"
+            )
+
+    @property
+    def batching(self) -> MicroBatching:
+        """How a mini-batch is cut into forward/backward passes."""
+        return MicroBatching(self.micro_batch_size, self.use_dynamic_bsz, self.ppo_max_token_len_per_gpu)
 
     @property
     def clip_low(self) -> float:
@@ -193,6 +213,65 @@ class PolicySettings:
     @property
     def clip_high(self) -> float:
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+@dataclass
+class ExecutionSettings:
+    """How a trainer runs its model: none of it changes the update beyond float rounding, only time and memory
+    (tests/unit/test_packing.py and test_micro_batches.py check it). verl's keys, gathered by the config
+    (pipeline/trainer_launch.py) from `model.*`, `rollout.log_prob_*` and `actor.fsdp_config.*`."""
+
+    use_remove_padding: bool = False
+    """Pack each micro-batch's sequences into one row (stages/trainer/packing.py) instead of right-padding them."""
+    enable_gradient_checkpointing: bool = False
+    """Keep only each decoder layer's input for the backward and recompute the rest (torch backend)."""
+    log_prob: MicroBatching | None = None
+    """How the proximal recompute cuts its rows (verl's rollout.log_prob_*); None: as training does."""
+    param_offload: bool = False
+    """Keep the parameters (and gradients) in CPU memory between steps, on the GPU only while a step runs (torch
+    backend on a GPU; nothing to move on CPU)."""
+    optimizer_offload: bool = False
+    """Keep the optimizer state in CPU memory except while a step runs (torch backend on a GPU)."""
+
+
+@dataclass
+class MegatronRecompute:
+    """verl's `actor.megatron.override_transformer_config.recompute_*`: megatron-core's activation recompute, which
+    keeps fewer activations for the backward and recomputes the rest (trainer.backend=megatron)."""
+
+    recompute_granularity: RecomputeGranularity | None = None
+    """'full' recomputes whole transformer layers (which: recompute_method, recompute_num_layers), 'selective' only
+    the modules recompute_modules names, in every layer; null: off."""
+    recompute_method: RecomputeMethod | None = None
+    """With 'full': 'uniform' keeps the input of every recompute_num_layers-th layer and recomputes all layers,
+    'block' recomputes the first recompute_num_layers layers of each pipeline stage and keeps the others'."""
+    recompute_num_layers: int | None = None
+    """With 'full': the layers per recompute unit ('uniform') or recomputed per stage ('block'); null otherwise."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """With 'selective': the parts recomputed (megatron's choices: core_attn, mlp, layernorm, moe_act, moe, ...)."""
+
+    def __post_init__(self) -> None:
+        key = "actor.megatron.override_transformer_config"
+        full = self.recompute_granularity == "full"
+        if full and (self.recompute_method is None or not (self.recompute_num_layers or 0) >= 1):
+            raise ValueError(
+                f"{key}.recompute_granularity=full needs recompute_method ('uniform' or 'block') and "
+                "recompute_num_layers >= 1"
+            )
+        if not full and (self.recompute_method is not None or self.recompute_num_layers is not None):
+            raise ValueError(
+                f"{key}.recompute_method and recompute_num_layers apply to recompute_granularity=full only, not "
+                f"{self.recompute_granularity!r}: leave them null"
+            )
+
+    def transformer_config(self) -> dict:
+        """The TransformerConfig keywords (none when recompute is off)."""
+        if self.recompute_granularity is None:
+            return {}
+        out = {"recompute_granularity": self.recompute_granularity, "recompute_modules": list(self.recompute_modules)}
+        if self.recompute_granularity == "full":
+            out |= {"recompute_method": self.recompute_method, "recompute_num_layers": self.recompute_num_layers}
+        return out
 
 
 @dataclass

@@ -33,14 +33,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from stages.trainer.balance import row_tokens
 from stages.trainer.kl import kl_penalty
 from stages.trainer.loss import AggCounts, TokenLogprobs, agg_loss
+from stages.trainer.micro_batches import MicroBatching
 from stages.trainer.policy_loss import LossInputs, PolicyLoss, policy_loss_fn
 from stages.trainer.settings import CorrectionSettings, PolicySettings
 
 NEEDED_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "response_mask")
 ROUTES_COLUMN = "routed_experts"
 NO_ROUTE = -1  # a (B, S, layers * k) routes tensor's value where the model routes the token itself
+Rows = slice | list[int]  # a micro-batch: a run of the mini-batch's rows, or any of them (a token-budget cut)
 
 
 @dataclass
@@ -103,15 +106,20 @@ class Minibatch:
     def slices(self, micro: int) -> list[slice]:
         return [slice(lo, lo + micro) for lo in range(0, len(self.rows["response_ids"]), micro)]
 
-    def loss(self, token_logprobs: TokenLogprobs, sl: slice, policy: PolicySettings, device="cpu") -> MicroLoss:
+    def micro_batches(self, policy: PolicySettings, at_least: int = 1) -> list[list[int]]:
+        """The rows of each micro-batch, cut as the policy says (micro_batch_size rows, or a token budget with
+        use_dynamic_bsz; stages/trainer/micro_batches.py); `at_least`: the passes another rank runs."""
+        return policy.batching.cut(row_tokens(self.rows), at_least)
+
+    def loss(self, token_logprobs: TokenLogprobs, sl: Rows, policy: PolicySettings, device="cpu") -> MicroLoss:
         """Micro-batch `sl`'s share of the mini-batch's objective."""
         rows = self.rows
-        prompts, responses = rows["prompt_ids"][sl], rows["response_ids"][sl]
+        prompts, responses = pick(rows["prompt_ids"], sl), pick(rows["response_ids"], sl)
         replay = self.replay_kwargs(sl, policy)
         fwd = token_logprobs(prompts, responses, entropy=True, **replay)  # (B, T) each
         width = fwd.logp.shape[1]
-        old = self._pad(self.old[sl], width, device)
-        mask = fwd.mask * self._pad(self.masks[sl], width, device)
+        old = self._pad(pick(self.old, sl), width, device)
+        mask = fwd.mask * self._pad(pick(self.masks, sl), width, device)
         w = None if self.is_weights is None else self.is_weights[sl, :width].to(device)
         agg, den = policy.loss_agg_mode, self.counts.denominator(policy.loss_agg_mode)
         x = LossInputs(fwd.logp, old, self._advantages(sl, width, device), mask, self.counts, agg, w, self.bypass)
@@ -120,7 +128,7 @@ class Minibatch:
         total = pg.loss - policy.entropy_coeff * entropy if policy.entropy_coeff else pg.loss
         kl = torch.zeros(())
         if policy.use_kl_loss:
-            ref = self._pad(rows["ref_logprobs"][sl], width, device)
+            ref = self._pad(pick(rows["ref_logprobs"], sl), width, device)
             kl = agg_loss(kl_penalty(fwd.logp, ref, policy.kl_loss_type), mask, agg, den)
             total = total + policy.kl_loss_coef * kl
         stale = self._stale_route_counts(sl, fwd.route_maps)
@@ -128,7 +136,7 @@ class Minibatch:
             total, pg, float(entropy.detach()), float(kl.detach()), fwd.routes_replayed, fwd.routes_changed, *stale
         )
 
-    def _stale_route_counts(self, sl: slice, maps: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float]:
+    def _stale_route_counts(self, sl: Rows, maps: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float]:
         """(replayed, changed) (token, MoE layer) pairs over the context tokens whose routes older weights than the
         trainer's computed (`trainer_version`: the step's version, Step.minibatches)."""
         rows = self.rows
@@ -138,10 +146,10 @@ class Minibatch:
         stale = torch.zeros_like(replayed, dtype=torch.bool)
         for i, (p, versions, base, now) in enumerate(
             zip(
-                rows["prompt_ids"][sl],
-                rows["token_param_version"][sl],
-                rows["routes_version"][sl],
-                rows["trainer_version"][sl],
+                pick(rows["prompt_ids"], sl),
+                pick(rows["token_param_version"], sl),
+                pick(rows["routes_version"], sl),
+                pick(rows["trainer_version"], sl),
                 strict=True,
             )
         ):
@@ -149,20 +157,24 @@ class Minibatch:
             stale[i, : len(row_versions)] = row_versions < now
         return float(replayed[stale].sum()), float(changed[stale].sum())
 
-    def replay_kwargs(self, sl: slice, policy: PolicySettings) -> dict[str, torch.Tensor]:
+    def replay_kwargs(self, sl: Rows, policy: PolicySettings) -> dict[str, torch.Tensor]:
         """What a forward over micro-batch `sl` takes besides the tokens: `routes` (B, S, layers * k) to replay
         with routing replay on, nothing otherwise."""
         if not policy.router_replay.active:
             return {}
         rows = self.rows
-        return {"routes": pad_routes(rows["prompt_ids"][sl], rows["response_ids"][sl], rows[ROUTES_COLUMN][sl])}
+        return {
+            "routes": pad_routes(
+                pick(rows["prompt_ids"], sl), pick(rows["response_ids"], sl), pick(rows[ROUTES_COLUMN], sl)
+            )
+        }
 
-    def _advantages(self, sl: slice, width: int, device) -> torch.Tensor:
+    def _advantages(self, sl: Rows, width: int, device) -> torch.Tensor:
         """(B, T) per-token advantages; a scalar `advantage` broadcast over the response when the batch has no
         `token_advantages` (sample logs written before the column, hand-built batches)."""
         if "token_advantages" in self.rows:
-            return self._pad(self.rows["token_advantages"][sl], width, device)
-        adv = torch.tensor(np.asarray(self.rows["advantage"][sl], np.float32), device=device)
+            return self._pad(pick(self.rows["token_advantages"], sl), width, device)
+        adv = torch.tensor(np.asarray(pick(self.rows["advantage"], sl), np.float32), device=device)
         return adv[:, None].expand(-1, width)
 
     @staticmethod
@@ -306,18 +318,30 @@ class StepTotals:
 
 
 def micro_batched_logprobs(
-    token_logprobs: TokenLogprobs, prompts: list, responses: list, micro: int, routes: list | None = None
+    token_logprobs: TokenLogprobs,
+    prompts: list,
+    responses: list,
+    batching: MicroBatching,
+    routes: list | None = None,
+    at_least: int = 1,
 ) -> list[list[float]]:
-    """Each response's token logprobs, computed `micro` sequences at a time by a backend's `token_logprobs`: the
-    proximal anchors of every backend. `routes`: the rows' routed_experts, replayed (verl's R3 replays them in
-    this pass too); None routes as the model does."""
-    out: list[list[float]] = []
-    for lo in range(0, len(responses), micro):
-        p, r = prompts[lo : lo + micro], responses[lo : lo + micro]
-        replay = {} if routes is None else {"routes": pad_routes(p, r, routes[lo : lo + micro])}
+    """Each response's token logprobs, computed a micro-batch at a time (cut by `batching`, `at_least` of them
+    with a token budget) by a backend's `token_logprobs`: the proximal anchors of every backend. `routes`: the
+    rows' routed_experts, replayed (verl's R3 replays them in this pass too); None routes as the model does."""
+    out: list = [None] * len(responses)
+    rows = {"prompt_ids": prompts, "response_ids": responses}
+    for index in batching.cut(row_tokens(rows), at_least):
+        p, r = pick(prompts, index), pick(responses, index)
+        replay = {} if routes is None else {"routes": pad_routes(p, r, pick(routes, index))}
         logp = token_logprobs(p, r, **replay).logp
-        out += [logp[i, : len(x)].tolist() for i, x in enumerate(r)]
+        for i, x, row in zip(index, r, logp, strict=True):
+            out[i] = row[: len(x)].tolist()
     return out
+
+
+def pick(values: list, rows: Rows) -> list:
+    """These rows of a column, in this order."""
+    return values[rows] if isinstance(rows, slice) else [values[i] for i in rows]
 
 
 def pad_rows(rows: list[np.ndarray], width: int) -> torch.Tensor:

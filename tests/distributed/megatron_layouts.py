@@ -67,11 +67,13 @@ def _rank(rank: int, tp: int, pp: int, port: int, model_dir: str, queue) -> None
         queue.put(("losses", {"logprobs": logprobs, "steps": steps}))
 
 
-def train(tp: int, pp: int, model_dir: str) -> dict:
-    """One layout's run: its ranks as processes, their results once all have ended well."""
+def train(tp: int, pp: int, model_dir: str, target=None, extra: tuple = ()) -> dict:
+    """One layout's run: its ranks as processes running `target` (default `_rank`, called with
+    (rank, tp, pp, port, model_dir, *extra, queue)), their results once all have ended well."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, tp, pp, port, model_dir, queue)) for r in range(tp * pp)]
+    args = [(r, tp, pp, port, model_dir, *extra, queue) for r in range(tp * pp)]
+    procs = [ctx.Process(target=target or _rank, args=a) for a in args]
     for p in procs:
         p.start()
     result = dict(queue.get(timeout=300) for _ in range(2))

@@ -112,7 +112,7 @@ def test_a_key_asking_for_a_missing_capability_is_an_error_naming_it(override, c
         ("actor_rollout_ref.model.mtp.speculative_num_steps=4", "multi-token prediction, which is off"),
         ("actor_rollout_ref.model.mtp.enable=False", "does not ask for multi-token prediction"),
         ("critic.strategy=fsdp2", "no critic"),
-        ("actor_rollout_ref.ref.fsdp_config.param_offload=True", "the reference model is its own stage"),
+        ("actor_rollout_ref.ref.fsdp_config.forward_prefetch=True", "the reference model is its own stage"),
         ("actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn=True", "kernel choice"),
         ("async_training.dynamic_schedule_policy=default", "dynamic resource scheduling, which is off"),
     ],
