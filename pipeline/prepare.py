@@ -23,6 +23,7 @@ from pipeline.clock import VersionClock
 from pipeline.config import ConfigError, RunConfig, to_yaml
 from pipeline.config.checks import check_engine_heads
 from pipeline.config.placement import Placement
+from pipeline.config.reward import check_reward_sources
 from pipeline.observe.monitor import Monitor, make_monitor
 from pipeline.stream import check_layout
 from pipeline.tasks.admission import AdmissionOrder, PromptSource
@@ -352,6 +353,7 @@ def prepare(cfg: RunConfig) -> RunContext:
             check_moe(model_dir)
         if cfg.trainer.backend == "megatron":
             check_megatron(cfg, model_dir)
+        check_reward_sources(cfg.reward)  # a reward model's directory, a remote service that answers
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         source = prompt_source(cfg, data_file, tokenizer, resumed)
         val_prompts = load_val_prompts(cfg, run_dir, tokenizer)

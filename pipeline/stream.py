@@ -1,6 +1,6 @@
-"""Wire the Ray Data stream from the config: source -> gate -> generate -> [reference logprobs] -> reward ->
-advantage -> sample log -> split (the last four in the engine's actor unless a reference model needs its stage: see
-stages/scored_generate.py); and the step-level operation the training sink applies (advantage whitening).
+"""Wire the Ray Data stream from the config: source -> gate -> generate -> [reference logprobs] -> [reward model] ->
+reward -> advantage -> sample log -> split (the last four in the engine's actor unless a model needs a stage between:
+see stages/scored_generate.py); and the step-level operation the training sink applies (advantage whitening).
 
 The source (`prompt_dataset`) reads the prompts lazily, paced by the gate's admissions: nothing of it grows with
 rollout.total_rollout_steps.
@@ -25,7 +25,16 @@ from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, bind, stage_class
 from pipeline.config.execution import reference_options
-from pipeline.config.placement import SPLIT_CPUS, Placement, engine_gpus, layout, reference_gpus, split_actors
+from pipeline.config.placement import (
+    RM_CPUS,
+    SPLIT_CPUS,
+    Placement,
+    engine_gpus,
+    layout,
+    reference_gpus,
+    reward_model_gpus,
+    split_actors,
+)
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
 from pipeline.config.targets import advantage_wiring
@@ -35,6 +44,9 @@ from stages import ray_internals
 from stages.advantage import ESTIMATORS, whiten_step
 from stages.gate import StalenessGate
 from stages.handoff import SplitTokens, TokenTables
+from stages.remote_reward import RemoteReward
+from stages.reward_model import RewardModel
+from stages.reward_sources import RewardSources
 from stages.sample_log import SampleLog
 from stages.scored_generate import ScoredGenerate
 
@@ -132,6 +144,40 @@ def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
     return whiten_step if getattr(cls, "whiten_over_step", False) else getattr(cls, "over_step", None)
 
 
+def reward_step(cfg: RunConfig) -> RewardSources:
+    """The reward step: the rule stage (`stages.reward`, with the custom reward function) unless a model source alone
+    gives the reward, the remote service when reward.remote.url is set, and the failure policy
+    (stages/reward_sources.py)."""
+    crf, rw = cfg.reward.custom_reward_function, cfg.reward
+    remote = RemoteReward(**dataclasses.asdict(rw.remote)) if rw.remote.url else None
+    rule = None
+    if crf.path or not (rw.reward_model.enable or remote):
+        reward_cls, reward_kwargs = reward_stage(cfg)
+        rule = reward_cls(**reward_kwargs)
+    return RewardSources(
+        rule,
+        rule_name="custom" if crf.path else "rule",
+        remote=remote,
+        model_sources=("reward_model",) if rw.reward_model.enable else (),
+        on_error=rw.on_error,
+        max_attempts=rw.max_attempts,
+        backoff_s=rw.retry_backoff_s,
+    )
+
+
+def reward_model_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """The reward-model stage's keywords (reward.reward_model); it retries a failed forward pass only under
+    reward.on_error=retry."""
+    rm, rw = cfg.reward.reward_model, cfg.reward
+    return {
+        "model_path": rm.model_path,
+        "micro_batch_size": rm.micro_batch_size_per_gpu,
+        "max_length": rm.max_length,
+        "dtype": rm.dtype,
+        "max_attempts": rw.max_attempts if rw.on_error == "retry" else 1,
+    }
+
+
 def reference_model_dir(cfg: RunConfig, model_dir: str, run_dir: str) -> str:
     """The weights the run started from: model_dir, except on resume, where model_dir holds the checkpoint's and
     the start is model.path (or the embedded model prepare_model built into the run directory)."""
@@ -205,29 +251,17 @@ class StreamInputs:
 
 
 def stream_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
-    """The stream's stages in order, from the config: gate, generate, [reference logprobs], reward, advantage, sample
-    log, split. Scoring runs in the engine's actor (the last four inside ScoredGenerate) unless a reference model
-    needs a stage between generation and scoring (RunConfig.scores_in_engine)."""
+    """The stream's stages in order, from the config: gate, generate, [reference logprobs], [reward model], reward,
+    advantage, sample log, split. Scoring runs in the engine's actor (the last four inside ScoredGenerate) unless a
+    model (the reference, a reward model) needs a stage between generation and scoring (RunConfig.scores_in_engine)."""
     gen_cls, gen_kwargs = generate_stage(cfg, inputs.model_dir, inputs.clock, inputs.version)
-    reward_cls, reward_kwargs = reward_stage(cfg)
     adv_cls, adv_kwargs = advantage_stage(cfg)
-    scoring = [reward_cls(**reward_kwargs), adv_cls(**adv_kwargs), SampleLog(f"{inputs.run_dir}/samples")]
+    scoring = [reward_step(cfg), adv_cls(**adv_kwargs), SampleLog(f"{inputs.run_dir}/samples")]
     engine = _engine_options(cfg, inputs)
     if cfg.scores_in_engine():  # one hop fewer: the engine's actor scores, logs and splits
         generate = {"generate": (gen_cls, gen_kwargs), "scoring": scoring, "owners": inputs.owners}
         return [_gate(inputs), Stage("generate", ScoredGenerate, generate, engine)]
-    stages = [_gate(inputs), Stage("generate", gen_cls, gen_kwargs, engine)]
-    if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
-        ref_cls, ref_extra = stage_class(cfg.stages.ref_logprob, "stages.ref_logprob")
-        ref_wiring = {"model_dir": reference_model_dir(cfg, inputs.model_dir, inputs.run_dir), **reference_options(cfg)}
-        ref_kwargs = bind(ref_cls, "stages.ref_logprob", ref_wiring, ref_extra)
-        # A fraction of a CPU: a stage actor holding a whole CPU can deadlock a small machine.
-        ref_options = {
-            "num_cpus": 0.5,
-            "num_gpus": reference_gpus(cfg, inputs.cluster_gpus),  # it computes on a GPU it is given
-            "compute": ActorPoolStrategy(size=1),
-        }
-        stages.append(Stage("ref_logprob", ref_cls, ref_kwargs, ref_options))
+    stages = [_gate(inputs), Stage("generate", gen_cls, gen_kwargs, engine), *_model_stages(cfg, inputs)]
     # Task stages, fused by Ray Data into the split stage's actors (equal resources): one call per block. The split
     # stage is an actor, not a task: the per-token tables it puts in the object store live as long as the process
     # that put them (stages/handoff.py).
@@ -238,6 +272,32 @@ def stream_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
         "compute": ActorPoolStrategy(size=split_actors(cfg)),  # fixed: see split_actors
     }
     return [*stages, Stage("split", SplitTokens, {"tables": inputs.tables}, split)]
+
+
+def _model_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
+    """The model stages between generation and scoring, each in actors of its own: the reference model's logprobs
+    when a KL needs them, the reward model's scores when reward.reward_model.enable. A fraction of a CPU each: a stage
+    actor holding a whole CPU can deadlock a small machine; a GPU each where the cluster has them."""
+    stages = []
+    if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
+        ref_cls, ref_extra = stage_class(cfg.stages.ref_logprob, "stages.ref_logprob")
+        ref_wiring = {"model_dir": reference_model_dir(cfg, inputs.model_dir, inputs.run_dir), **reference_options(cfg)}
+        ref_kwargs = bind(ref_cls, "stages.ref_logprob", ref_wiring, ref_extra)
+        ref_options = {
+            "num_cpus": 0.5,
+            "num_gpus": reference_gpus(cfg, inputs.cluster_gpus),  # it computes on a GPU it is given
+            "compute": ActorPoolStrategy(size=1),
+        }
+        stages.append(Stage("ref_logprob", ref_cls, ref_kwargs, ref_options))
+    rm = cfg.reward.reward_model
+    if rm.enable:
+        rm_options = {
+            "num_cpus": RM_CPUS,
+            "num_gpus": reward_model_gpus(cfg, inputs.cluster_gpus),
+            "compute": ActorPoolStrategy(size=rm.num_replicas),
+        }
+        stages.append(Stage("reward_model", RewardModel, reward_model_kwargs(cfg), rm_options))
+    return stages
 
 
 def _gate(inputs: StreamInputs) -> Stage:

@@ -118,12 +118,44 @@ ROUTING_COLUMNS = (
 
 # Added by Reward and Advantage.
 REWARD_COLUMNS = (
-    _col("reward", pa.float32(), "verifier score; 0 when the verifier failed"),
-    _col("reward_error", pa.string(), "why the verifier failed on this sample, null when it succeeded"),
+    _col("reward", pa.float32(), "the sample's reward (the sources' score); 0 when scoring failed"),
+    _col(
+        "reward_error",
+        pa.string(),
+        "why scoring failed on this sample (the failing source's reason), null when it succeeded",
+    ),
     _col(
         "reward_extra_info",
         pa.string(),
         "a reward function's extra keys when it returned a dict (JSON object text), null otherwise",
+    ),
+)
+# One reward source's work on one sample (stages/reward_sources.py): the model, service or function that scored it.
+SOURCE_RECORD = pa.struct(
+    [
+        pa.field("score", pa.float32()),  # null when the source failed on the sample
+        pa.field("error", pa.string()),  # why it failed (its last attempt's reason), null when it scored
+        pa.field("latency_s", pa.float64()),  # the source's time on the sample (see the column's doc)
+        pa.field("attempts", pa.int32()),  # calls made for the sample: 1, or more when it was retried
+    ]
+)
+# Added by the reward step (stages/reward_sources.py) when it runs; absent from hand-built batches, whose rewards all
+# count as scored. Optional.
+REWARD_SOURCE_COLUMNS = (
+    _col(
+        "reward_sources",
+        pa.map_(pa.string(), SOURCE_RECORD),
+        "every reward source that worked on the sample, by name ('rule', 'custom', 'reward_model', 'remote'): its "
+        "score, error, attempts and latency_s (a remote service's request round trips, retries and backoff included; "
+        "a reward model's micro-batch forward pass; a rule or custom function's whole block, whose samples are "
+        "scored side by side)",
+    ),
+    _col(
+        "reward_status",
+        pa.string(),
+        "'ok' (scored); or what reward.on_error made of a failed reward: 'zero' (trained with reward 0), 'masked' "
+        "(left out of the loss and of its group's statistics), 'dropped' (its group had a failed sample and left the "
+        "loss whole)",
     ),
 )
 ADVANTAGE_COLUMNS = (
@@ -159,11 +191,14 @@ ALL_COLUMNS = (
     + REFERENCE_COLUMNS
     + ROUTING_COLUMNS
     + REWARD_COLUMNS
+    + REWARD_SOURCE_COLUMNS
     + ADVANTAGE_COLUMNS
     + REWARD_KL_COLUMNS
 )
 SAMPLE_SCHEMA = pa.schema([pa.field(c.name, c.type) for c in ALL_COLUMNS])
-OPTIONAL_COLUMNS = tuple(c.name for c in REFERENCE_COLUMNS + ROUTING_COLUMNS + REWARD_KL_COLUMNS)
+OPTIONAL_COLUMNS = tuple(
+    c.name for c in REFERENCE_COLUMNS + ROUTING_COLUMNS + REWARD_SOURCE_COLUMNS + REWARD_KL_COLUMNS
+)
 # Columns that grow with the tokens (a value per token or per turn, and the texts the tokens decode to): what the
 # driver leaves in the object store for the trainer to fetch (stages/handoff.py).
 PER_TOKEN_COLUMNS = tuple(

@@ -1,8 +1,8 @@
 """Reward: score each response in worker processes, concurrently, and kill a scorer that hangs.
 
-Input columns:  sample_id, response_text, ground_truth, data_source (agent_turns too, when present: a custom
-                function's extra_info["num_turns"] comes from it; num_tokens with the dapo manager's overlong
-                buffer)
+Input columns:  sample_id, response_text, ground_truth, data_source (agent_turns and reward_sources too, when
+                present: a custom function's extra_info["num_turns"] and ["reward_scores"] come from them;
+                num_tokens with the dapo manager's overlong buffer)
 Output columns: input columns + reward (float32), reward_error (string, null when scoring succeeded),
                 reward_extra_info (string: a JSON object, as the reward manager makes it; null when scoring failed)
 
@@ -93,7 +93,9 @@ class Reward:
     def __call__(self, batch: pa.Table) -> pa.Table:
         lengths = ["num_tokens"] if self.manager.shapes_length else []
         require_columns(batch, _NEEDS + lengths, "Reward")
-        columns = _NEEDS + (["agent_turns"] if self.custom_path and "agent_turns" in batch.column_names else [])
+        # A custom function's extra_info: num_turns from agent_turns, reward_scores from the model sources' records.
+        extra = ("agent_turns", "reward_sources")
+        columns = _NEEDS + [c for c in extra if self.custom_path and c in batch.column_names]
         rows = batch.select(columns).to_pylist()
         tokens = batch["num_tokens"].to_pylist() if lengths else [None] * len(rows)
         raw = self._score_all(rows) if rows else []

@@ -4,7 +4,9 @@
 embedded tasks, math-verify (stages/math_verifier.py) for verl's math data sources. A custom reward function
 (verl's `custom_reward_function`) replaces that routing for every sample: it is called as verl calls it,
 `compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=..., **reward_kwargs)`, and returns
-a number or a dict with a `score` key, whose other keys become the sample's reward_extra_info.
+a number or a dict with a `score` key, whose other keys become the sample's reward_extra_info. Its
+`extra_info["reward_scores"]` holds the scores of the model sources that ran before it (stages/reward_sources.py):
+`{"reward_model": 0.83}`, for a function that combines a reward model with a rule.
 
 `score_sample` turns any failure of either kind (an exception, a non-number, NaN or inf, a built-in verifier's
 value outside [0, 1]) into reward 0 and a reason, because one bad sample must not fail a whole block of the stream.
@@ -144,7 +146,11 @@ def score_sample(
             "data_source": source,
             "solution_str": row["response_text"],
             "ground_truth": row["ground_truth"],
-            "extra_info": {"num_turns": _num_turns(row.get("agent_turns")), "rollout_reward_scores": {}},
+            "extra_info": {
+                "num_turns": _num_turns(row.get("agent_turns")),
+                "rollout_reward_scores": {},
+                "reward_scores": {name: r["score"] for name, r in row.get("reward_sources") or []},
+            },
         }
         value = _call(who, custom, **{**call, **(reward_kwargs or {})})  # verl: the configured keywords win
     if isinstance(value, _Failed):

@@ -5,7 +5,7 @@ after the merge."""
 from __future__ import annotations
 
 from pipeline.config.execution import execution_checks
-from pipeline.config.reward import CustomRewardFunctionConfig
+from pipeline.config.reward import CustomRewardFunctionConfig, reward_checks
 from pipeline.config.rollout import MultiTurnConfig
 from pipeline.config.schema import ConfigError, RunConfig, monitor_names
 from pipeline.config.targets import stage_kwargs
@@ -72,6 +72,7 @@ def validate(cfg: RunConfig) -> None:
         + _trainer_rank_checks(cfg)
         + _fsdp_checks(cfg)
         + _reward_checks(cfg)
+        + reward_checks(cfg.reward, bool(cfg.reward.custom_reward_function.path), cfg.rollout.score_in_engine)
         + _engine_tp_checks(cfg)
         + _engine_checks(cfg)
         + execution_checks(cfg)

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from pipeline.config.checks import validate
+from pipeline.config.reward import REWARD_ALIASES
 from pipeline.config.schema import ConfigError, RunConfig
 from pipeline.config.verl_keys import judge
 
@@ -42,7 +43,7 @@ VERL_ALIASES = {
     "trainer.default_local_dir": "trainer.checkpoint_dir",
     "trainer.experiment_name": "trainer.run_name",
     "trainer.logger": "trainer.monitor",
-}
+} | REWARD_ALIASES
 
 
 def _translate_verl(layer: DictConfig) -> DictConfig:

@@ -28,6 +28,7 @@ HEAD = "node:__internal_head__"
 VLLM = "stages.generate.VLLMGenerate"
 CPUS, HEAD_CPUS = "ray.num_cpus (a local Ray) or the nodes' --num-cpus", "the head's --num-cpus"
 SPLIT_CPUS = 0.25  # each of the split stage's actors (stream.py), and each of the task stages fused into it
+RM_CPUS = 0.5  # each reward-model replica: a fraction, so that it cannot deadlock a small machine
 # Resources the driver never asks for: not worth listing in a message.
 _UNSHOWN = ("memory", "object_store_memory", "accelerator_type:")
 
@@ -185,7 +186,20 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
         ref = {"CPU": 0.5, "GPU": reference_gpus(cfg, cluster_gpus)}
         keys = "actor.use_kl_loss, algorithm.use_kl_in_reward" + (", ray.gpus_per_reference" if ref["GPU"] else "")
         groups.append(_group("reference model", 1, ref, {}, keys))
+    rm = cfg.reward.reward_model
+    if rm.enable:
+        keys = "reward.reward_model.num_replicas" + (", reward.reward_model.gpus_per_replica" if cluster_gpus else "")
+        groups.append(
+            _group(
+                "reward model", rm.num_replicas, {"CPU": RM_CPUS, "GPU": reward_model_gpus(cfg, cluster_gpus)}, {}, keys
+            )
+        )
     return groups
+
+
+def reward_model_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
+    """GPUs each reward-model replica asks for: reward.reward_model.gpus_per_replica on a cluster with GPUs."""
+    return cfg.reward.reward_model.gpus_per_replica if cluster_gpus > 0 else 0.0
 
 
 def _trainer_name(ranks: int, nodes: int) -> str:

@@ -1,10 +1,70 @@
 """The `reward.*` section of the run configuration (verl's `reward.*`): the reward manager, its keywords and the
-custom reward function. Part of schema.py's RunConfig."""
+custom reward function; the reward sources beyond a rule or a function (a discriminative reward model, a remote
+reward service); and what a failed score makes of its sample (stages/reward_sources.py says how they combine). Part
+of schema.py's RunConfig.
+
+verl's spellings where verl has them: `reward.reward_model.enable`, `reward.reward_model.model_path` (verl 0.9.1;
+its legacy `reward_model.model.path` and the `reward.reward_model.model.path` form are accepted, REWARD_ALIASES),
+`micro_batch_size_per_gpu` and `max_length` of verl's earlier reward-model worker, and `max_concurrent` of verl's
+rate-limited reward manager. verl has no failure policy: `reward.on_error` is ours.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from stages.reward_sources import OnError
+
+# verl's spellings of these keys (pipeline/config/load.py translates them).
+REWARD_ALIASES = {
+    "reward_model.enable": "reward.reward_model.enable",
+    "reward_model.model.path": "reward.reward_model.model_path",
+    "reward_model.micro_batch_size_per_gpu": "reward.reward_model.micro_batch_size_per_gpu",
+    "reward_model.max_length": "reward.reward_model.max_length",
+    "reward.reward_model.model.path": "reward.reward_model.model_path",
+}
+
+
+@dataclass
+class RewardModelConfig:
+    """verl's `reward.reward_model.*`: a discriminative reward model (an HF sequence-classification model) scoring every
+    response in an actor stage of its own (stages/reward_model.py)."""
+
+    enable: bool = False
+    """Score responses with the model at model_path. Without a custom reward function its score is the reward (as in
+    verl); with one, the function gets it in extra_info['reward_scores']['reward_model'] and combines."""
+    model_path: str = ""
+    """HF model directory of an AutoModelForSequenceClassification and its own tokenizer; the score is the last logit.
+    The prompt and response are rendered with that tokenizer's chat template (as a user and an assistant message)."""
+    micro_batch_size_per_gpu: int = 8
+    """Responses per forward pass (on a CPU too)."""
+    max_length: int | None = None
+    """Tokens of prompt + response the model takes; a longer input is that sample's scoring error (never cut: a cut
+    answer would be scored as another answer). None: the model's max_position_embeddings."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights' dtype; bfloat16 halves the memory on a GPU."""
+    num_replicas: int = 1
+    """Actors of the reward-model stage, each with a copy of the model."""
+    gpus_per_replica: float = 1.0
+    """GPUs each replica asks Ray for on a cluster that has GPUs (a fraction shares one); none on a CPU cluster."""
+
+
+@dataclass
+class RemoteRewardConfig:
+    """An HTTP reward service (stages/remote_reward.py): one JSON request per response, a score back."""
+
+    url: str = ""
+    """The service's http(s) URL; empty: no service. It must answer at start (a GET gets any answer but 404)."""
+    max_concurrent: int = 8
+    """Requests in flight at once, per stage actor (verl's rate-limited manager's cap)."""
+    timeout_s: float = 30.0
+    """A request with no answer after this long is cut and counts as a failed attempt."""
+    max_retries: int = 3
+    """Further attempts of a request after a timeout, a connection error, HTTP 429 or 5xx (a 4xx other than 429, or
+    an answer that is not a score, is not retried)."""
+    backoff_s: float = 0.5
+    """Wait before the first retry of a request, doubling each time (at most 30 s)."""
 
 
 @dataclass
@@ -70,7 +130,8 @@ class RewardManagerConfig:
 
 @dataclass
 class RewardConfig:
-    """verl's `reward.*`: the reward manager, its keywords and the custom reward function."""
+    """verl's `reward.*`: the reward manager, its keywords and the custom reward function; the reward sources beside
+    them and the failure policy."""
 
     reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
     """Which reward manager (verl's older `reward_model.reward_manager` names it too)."""
@@ -78,3 +139,62 @@ class RewardConfig:
     """The manager's keywords (verl's older `reward_model.reward_kwargs`)."""
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     """A user's scoring function (verl's older top-level `custom_reward_function`)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """The discriminative reward model (verl's keys)."""
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
+    """The remote reward service."""
+    on_error: OnError = "mask"
+    """What a sample whose reward failed becomes: 'zero' (reward 0, trained as a wrong answer: it biases its group's
+    baseline), 'retry' (each failed source is called again, up to max_attempts calls, then masked), 'mask' (left out
+    of the loss and of its group's statistics) or 'drop_group' (its whole group left out of the loss)."""
+    max_attempts: int = 3
+    """on_error=retry: calls of a failed source per sample, the first included."""
+    retry_backoff_s: float = 1.0
+    """on_error=retry: wait before the second call, doubling each time (at most 30 s)."""
+
+
+def reward_checks(reward: RewardConfig, custom_function: bool, score_in_engine: bool | None) -> list[tuple[bool, str]]:
+    """The cross-field rules of `reward.*`: (holds, message naming the key and the fix)."""
+    rm, remote = reward.reward_model, reward.remote
+    return [
+        (not rm.enable or bool(rm.model_path), "reward.reward_model.enable needs reward.reward_model.model_path"),
+        (rm.micro_batch_size_per_gpu >= 1, "reward.reward_model.micro_batch_size_per_gpu must be >= 1"),
+        (rm.max_length is None or rm.max_length >= 2, "reward.reward_model.max_length must be null or >= 2"),
+        (rm.num_replicas >= 1, "reward.reward_model.num_replicas must be >= 1"),
+        (rm.gpus_per_replica >= 0, "reward.reward_model.gpus_per_replica must be >= 0"),
+        (
+            not (rm.enable and score_in_engine),
+            "rollout.score_in_engine leaves no place for the reward model's stage between generation and scoring: "
+            "set rollout.score_in_engine=false (or leave it null), or reward.reward_model.enable=false",
+        ),
+        (
+            not remote.url or remote.url.startswith(("http://", "https://")),
+            f"reward.remote.url {remote.url!r} must be an http:// or https:// URL",
+        ),
+        (remote.max_concurrent >= 1, "reward.remote.max_concurrent must be >= 1"),
+        (remote.timeout_s > 0, "reward.remote.timeout_s must be > 0"),
+        (remote.max_retries >= 0, "reward.remote.max_retries must be >= 0 (0: one attempt)"),
+        (remote.backoff_s >= 0, "reward.remote.backoff_s must be >= 0"),
+        (
+            custom_function or not (rm.enable and remote.url),
+            "reward.reward_model and reward.remote.url both give a score and nothing combines them: set "
+            "reward.custom_reward_function.path to a function that reads extra_info['reward_scores'], or use one "
+            "of them",
+        ),
+        (reward.max_attempts >= 1, "reward.max_attempts must be >= 1 (1: no retry)"),
+        (reward.retry_backoff_s >= 0, "reward.retry_backoff_s must be >= 0"),
+    ]
+
+
+def check_reward_sources(reward: RewardConfig) -> None:
+    """What the run's reward sources need before anything starts: a reward-model directory that holds a
+    sequence-classification model and its tokenizer, a remote service that answers. One ConfigError otherwise."""
+    from pipeline.config.schema import ConfigError  # here: schema.py imports this module
+    from stages.remote_reward import check_reachable
+    from stages.reward_model import check_model_dir
+
+    problem = check_model_dir(reward.reward_model.model_path) if reward.reward_model.enable else None
+    if problem is None and reward.remote.url:
+        problem = check_reachable(reward.remote.url, min(reward.remote.timeout_s, 10.0))
+    if problem:
+        raise ConfigError(problem)

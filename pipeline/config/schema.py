@@ -404,7 +404,8 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    """verl's reward manager and custom reward function."""
+    """verl's reward manager and custom reward function; the reward model, the remote service and the failure policy
+    (pipeline/config/reward.py)."""
     sim: Workload = field(default_factory=Workload)
     """The simulated workload of stages.sim.generate.SimGenerate and trainer.backend=sim (stages/sim/workload.py)."""
     resume: bool = False
@@ -428,8 +429,10 @@ class RunConfig:
         )
 
     def scores_in_engine(self) -> bool:
-        """rollout.score_in_engine resolved: on unless set false or a reference model needs a stage of its own."""
-        return self.rollout.score_in_engine is not False and not self.uses_reference()
+        """rollout.score_in_engine resolved: on unless set false or a model (the reference, a reward model) needs a
+        stage of its own between generation and scoring."""
+        models = self.uses_reference() or self.reward.reward_model.enable
+        return self.rollout.score_in_engine is not False and not models
 
 
 def monitor_names(value: Any) -> list[str]:

@@ -1,5 +1,5 @@
 """Audit a run from its logs alone: staleness bound, admission windows, token versions, exactly-once consumption of
-whole groups, advantages and logged metrics recomputed, MoE route rows.
+whole groups, advantages and logged metrics recomputed, MoE route rows, reward failures.
 
 Reads `<run>/samples` (every generated sample), `<run>/consumed` (what the trainer trained on, at which version),
 `<run>/admitted.parquet` (the gate's ledger), `<run>/config.yaml` (the bound, the group size, the estimator),
@@ -33,6 +33,7 @@ from pipeline.observe.audit_tokens import (
     route_width,
     versions_never_decrease,
 )
+from pipeline.observe.reward_audit import reward_failures
 from stages.staleness import StalenessBudget
 
 __all__ = ["AuditReport", "Check", "RunDirError", "audit", "budget_of", "read_dir", "route_width"]
@@ -153,6 +154,9 @@ def audit(run_dir: str | Path) -> AuditReport:
     ]
     if "routed_experts" in samples.column_names and samples["routed_experts"].null_count < samples.num_rows:
         report.checks.append(route_rows(samples, route_width(logs.run_dir)))
+    failures = reward_failures(samples)
+    if failures is not None:
+        report.checks.append(Check("every failed reward accounted for", *failures))
     return report
 
 

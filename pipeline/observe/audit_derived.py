@@ -42,7 +42,7 @@ def advantages_match(samples: pa.Table, cfg: DictConfig) -> Check:
         stage = estimator(cfg)
     except ConfigError as err:
         return Check(name, True, f"not recomputed: {err}", skipped=True)
-    inputs = [c for c in ("prompt_id", "reward", "response_mask", "response_logprobs", "ref_logprobs")]
+    inputs = ("prompt_id", "reward", "response_mask", "response_logprobs", "ref_logprobs", "reward_status")
     rows: dict[str, list[int]] = defaultdict(list)
     for i, pid in enumerate(samples["prompt_id"].to_pylist()):
         rows[pid].append(i)

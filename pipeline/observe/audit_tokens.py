@@ -11,6 +11,7 @@ import pyarrow as pa
 from omegaconf import OmegaConf
 
 from pipeline.observe.audit_check import Check, examples
+from pipeline.observe.reward_audit import left_out
 
 
 def versions_never_decrease(samples: pa.Table) -> Check:
@@ -58,12 +59,14 @@ def no_token_older_than_admission(samples: pa.Table, admitted: pa.Table) -> Chec
 
 def per_token_columns(samples: pa.Table) -> Check:
     """Every per-token column has num_tokens entries, and masked tokens (an agent loop's tool results) carry
-    logprob 0: the trainer's response_mask then drops exactly them, and their versions stay in the lag bound."""
+    logprob 0: the trainer's response_mask then drops exactly them, and their versions stay in the lag bound. A
+    sample whose reward left it out of the loss is masked whole, generated tokens included (reward_audit checks it)."""
     columns = ["sample_id", "num_tokens", "response_ids", "response_logprobs", "token_param_version", "response_mask"]
     bad, masked = [], 0
-    for sid, n, ids, logprobs, versions, mask in zip(*(samples[c].to_pylist() for c in columns), strict=True):
+    rows = zip(left_out(samples), *(samples[c].to_pylist() for c in columns), strict=True)
+    for reward_left_out, sid, n, ids, logprobs, versions, mask in rows:
         lengths = [len(c) if c is not None else None for c in (ids, logprobs, versions, mask)]
-        zeros = [i for i, m in enumerate(mask or []) if m == 0]
+        zeros = [] if reward_left_out else [i for i, m in enumerate(mask or []) if m == 0]
         masked += len(zeros)
         if lengths != [n] * 4:
             bad.append(f"{sid} (num_tokens {n}; ids, logprobs, versions, mask {lengths})")

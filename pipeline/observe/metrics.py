@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.observe.reward_metrics import reward_source_metrics, trained_reward_mean
+
 
 class FullyAsyncCounters:
     """verl's fully_async/* metrics: stale counts over the whole run, partial-rollout counts per sync window."""
@@ -75,8 +77,9 @@ def step_metrics(
     return (
         reward_kl_metrics(table, kl_coef)
         | reward_extra_metrics(table)
+        | reward_source_metrics(table)
         | {
-            "reward/mean": float(np.mean(table["reward"].to_pylist())),
+            "reward/mean": trained_reward_mean(table),
             "reward/error_ratio": float(np.mean([e is not None for e in table["reward_error"].to_pylist()])),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),

@@ -12,6 +12,11 @@ frozen initial policy's (`ref_logprobs`, from stages.ref_logprob). Outcome estim
 token-level rewards as the sample's score (score - beta * sum of its masked KL); per-token estimators take the
 rewards themselves. `reward_kl` is the sample's masked mean token KL, what verl's `actor/reward_kl_penalty`
 averages; only a fixed coefficient is supported (verl's FixedKLController).
+
+Samples the reward step left out (`reward_status` 'masked' or 'dropped', stages/reward_sources.py) leave the loss and
+their group's statistics: their response_mask (in the output too, which is what the trainer reads) and advantages are
+0, and their group's baseline is computed over the members that count. A group left with one member that counts
+(out of a group_size above 1) gives it advantage 0: it has no peer to be compared with.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas import SAMPLE_SCHEMA, require_columns
+from stages.reward_sources import LEFT_OUT
 
 MASK_EPS = 1e-8  # verl's masked mean: sum / (count + 1e-8), so an empty row gives 0, not NaN
 
@@ -37,6 +43,7 @@ class TokenRewards:
     token_rewards: np.ndarray  # (B, L) score on the last token, minus beta * masked KL on every token
     score: np.ndarray  # (B,) row sums of token_rewards: the outcome estimators' score
     reward_kl: np.ndarray | None  # (B,) masked mean token KL; None without the KL in the reward
+    counts: np.ndarray | None = None  # (B,) bool: the sample is in the loss; None: every sample is
 
 
 def pad_rows(rows: list, width: int) -> np.ndarray:
@@ -77,6 +84,10 @@ class AdvantageStage:
         rewards = self.token_rewards(batch)
         token_adv, seq_adv = self.estimate(batch, rewards)
         per_token = [token_adv[i, :n].astype(np.float32) for i, n in enumerate(rewards.lengths)]
+        if rewards.counts is not None:  # the trainer reads this mask: the samples left out leave the loss
+            masks = [rewards.mask[i, :n].astype(np.int8) for i, n in enumerate(rewards.lengths)]
+            field = SAMPLE_SCHEMA.field("response_mask")
+            batch = batch.set_column(batch.schema.get_field_index("response_mask"), field, pa.array(masks, field.type))
         batch = batch.append_column(SAMPLE_SCHEMA.field("advantage"), pa.array(seq_adv, pa.float32()))
         batch = batch.append_column(
             SAMPLE_SCHEMA.field("token_advantages"), pa.array(per_token, SAMPLE_SCHEMA.field("token_advantages").type)
@@ -90,16 +101,19 @@ class AdvantageStage:
         lengths = np.array([len(m) for m in masks], np.int64)
         width = int(lengths.max(initial=0))
         mask = pad_rows(masks, width)
+        counts = _counted(batch)
+        if counts is not None:
+            mask[~counts] = 0.0
         score = batch.column("reward").to_numpy(zero_copy_only=False).astype(np.float64)
         token_rewards = np.zeros_like(mask)
         rows = np.flatnonzero(lengths > 0)
         token_rewards[rows, lengths[rows] - 1] = score[rows]
         if not self.kl_in_reward:
-            return TokenRewards(mask, lengths, token_rewards, score, None)
+            return TokenRewards(mask, lengths, token_rewards, score, None, counts)
         kld = self._token_kl(batch, mask, width)
         token_rewards -= self.kl_coef * kld
         reward_kl = kld.sum(axis=1) / (mask.sum(axis=1) + MASK_EPS)
-        return TokenRewards(mask, lengths, token_rewards, score - self.kl_coef * kld.sum(axis=1), reward_kl)
+        return TokenRewards(mask, lengths, token_rewards, score - self.kl_coef * kld.sum(axis=1), reward_kl, counts)
 
     def _token_kl(self, batch: pa.Table, mask: np.ndarray, width: int) -> np.ndarray:
         """kl(behaviour, reference) per token, masked (verl: kl_penalty(old_log_prob, ref_log_prob) * mask)."""
@@ -137,5 +151,18 @@ class OutcomeAdvantage(AdvantageStage):
     def estimate(self, batch: pa.Table, rewards: TokenRewards) -> tuple[np.ndarray, np.ndarray]:
         seq_adv = np.zeros(len(rewards.score), np.float64)
         for rows in self.groups(batch):
-            seq_adv[rows] = self.group_advantage(rewards.score[rows])
+            if rewards.counts is not None:
+                rows = rows[rewards.counts[rows]]
+                if len(rows) == 1 and self.group_size > 1:  # no peer left to be compared with
+                    continue
+            if len(rows):
+                seq_adv[rows] = self.group_advantage(rewards.score[rows])
         return seq_adv[:, None] * rewards.mask, seq_adv
+
+
+def _counted(batch: pa.Table) -> np.ndarray | None:
+    """(B,) bool: the samples the reward step left in the loss; None when it left none out (or did not run)."""
+    if "reward_status" not in batch.column_names:
+        return None
+    counts = np.array([s not in LEFT_OUT for s in batch.column("reward_status").to_pylist()], bool)
+    return None if counts.all() else counts

@@ -117,6 +117,25 @@ def test_a_reward_function_verl_cannot_call_fails_at_start(tmp_path):
     assert time.monotonic() - start < 30  # from the config check: before the warm start and Ray
 
 
+def test_an_unreachable_reward_service_fails_at_start(tmp_path):
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = asyncrl("run", f"reward.remote.url=http://127.0.0.1:{port}/score", tmp_path=tmp_path)
+    msg = one_error(result)
+    assert f"reward.remote.url http://127.0.0.1:{port}/score cannot be reached" in msg
+    assert "Start the service, or fix the URL" in msg
+    assert "warm start" not in result.stdout  # found before the warm start and Ray
+
+
+def test_a_missing_reward_model_directory_fails_at_start(tmp_path):
+    args = ["reward.reward_model.enable=true", f"reward.reward_model.model_path={tmp_path}/no_rm"]
+    result = asyncrl("run", *args, tmp_path=tmp_path)
+    msg = one_error(result)
+    assert f"reward.reward_model.model_path '{tmp_path}/no_rm' has no config.json" in msg
+    assert "warm start" not in result.stdout
+
+
 def test_a_layout_the_cluster_cannot_place_fails_at_start(tmp_path):
     # A local Ray of 2 logical CPUs cannot hold the trainer and two engines (a CPU each) and the gate (0.1): without
     # the check one engine would wait for a CPU for ever and the run would hang.

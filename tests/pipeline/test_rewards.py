@@ -1,0 +1,144 @@
+"""Reward sources beyond a rule, in the real stream: a discriminative reward model trained here scores in its own
+actor stage and the policy learns against it; a real HTTP reward service on loopback, started by the test, answers
+with 500s, timeouts and slow answers, and every sample is scored or accounted for, retries counted, the audit passing.
+"""
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import pytest
+
+from pipeline.tasks.embedded import build_embedded
+from pipeline.tasks.embedded_rm import build_reward_model
+from pipeline.tasks.warmstart import cached_warm_start
+from stages.verifiers import score_reverse
+from tests.reward_server import Answer, RewardServer
+
+RM_STEPS = 400  # the reward model's training steps (pipeline/tasks/embedded_rm.py; held-out fit in its stats)
+
+
+def samples(run_dir: Path, columns: list[str]) -> list[dict]:
+    return pads.dataset(run_dir / "samples").to_table(columns=columns).to_pylist()
+
+
+def consumed_ids(run_dir: Path) -> set[str]:
+    return set(pads.dataset(run_dir / "consumed").to_table(columns=["sample_id"])["sample_id"].to_pylist())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tenths(values: list[float]) -> tuple[float, float]:
+    tenth = max(1, len(values) // 10)
+    return sum(values[:tenth]) / tenth, sum(values[-tenth:]) / tenth
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    """The embedded policy warm-started as a run warm-starts it (the session's cache: the runs below load it), and a
+    reward model trained from it to predict the task's rule score."""
+    root = tmp_path_factory.mktemp("policy")
+    task = build_embedded(root, 2000, seed=0)
+    cache = f"{os.environ['ASYNCRL_CACHE_DIR']}/warm_start"
+    cached_warm_start(task.model_dir, task.data_file, 500, 2e-3, 0, 0.5, cache)
+    out = tmp_path_factory.mktemp("rm")
+    fit = build_reward_model(out, task.model_dir, steps=RM_STEPS)
+    assert fit["pair_agreement"] > 0.8, fit  # it orders two answers to one prompt as the rule does
+    return out
+
+
+@pytest.mark.slow
+def test_the_policy_learns_against_a_reward_model_in_the_stream(run_job, reward_model):
+    summary, run_dir = run_job(
+        "rollout.total_rollout_steps=800",  # 100 steps of 8 prompts
+        "reward.reward_model.enable=true",
+        f"reward.reward_model.model_path={reward_model}",
+        "reward.reward_model.micro_batch_size_per_gpu=16",
+        "trainer.monitor=jsonl",
+        name="reward-model",
+    )
+    assert summary["audit_ok"] and summary["steps"] == 100
+    rows = samples(run_dir, ["sample_id", "response_text", "ground_truth", "reward", "reward_sources", "reward_status"])
+    # the reward model scored every sample, and its score is the reward (verl: a reward model replaces the rule)
+    for row in rows:
+        (name, rec), *others = row["reward_sources"]
+        assert name == "reward_model" and not others and rec["error"] is None and rec["latency_s"] > 0
+        assert row["reward"] == pytest.approx(rec["score"]) and row["reward_status"] == "ok"
+    steps = metrics(run_dir)
+    assert all(m["reward/reward_model/share"] == 1.0 and m["reward/reward_model/error_ratio"] == 0 for m in steps)
+    # the policy learns against it: the reward model's score rises, and so does the task's own rule score, which
+    # nothing in the run computed (the reward model only learned to predict it)
+    rm_first, rm_last = tenths([m["reward/mean"] for m in steps])
+    assert rm_last > rm_first + 0.1, (rm_first, rm_last)
+    trained = consumed_ids(run_dir)
+    by_step = pads.dataset(run_dir / "consumed").to_table(columns=["sample_id", "consumed_step"]).to_pylist()
+    step_of = {r["sample_id"]: r["consumed_step"] for r in by_step}
+    rule: dict[int, list[float]] = {}
+    for row in rows:
+        if row["sample_id"] in trained:
+            rule.setdefault(step_of[row["sample_id"]], []).append(
+                score_reverse(row["response_text"], row["ground_truth"])
+            )
+    curve = [sum(v) / len(v) for _, v in sorted(rule.items())]
+    first, last = tenths(curve)
+    assert last > first + 0.15, f"rule score {first:.3f} -> {last:.3f}, curve {[round(c, 2) for c in curve[::10]]}"
+
+
+def faults(payload: dict, nth: int) -> Answer:
+    """The service scores with the task's rule; a sample's id decides its fault: a 500 on its first request, a first
+    request that outlives the client's timeout, slow answers within it, or 503 on every request."""
+    score = json.dumps({"score": score_reverse(payload["solution_str"], payload["ground_truth"])})
+    kind = zlib.crc32(payload["sample_id"].encode()) % 10
+    if kind == 0 and nth == 1:
+        return Answer("internal error", status=500)
+    if kind == 1 and nth == 1:
+        return Answer(score, delay_s=2.5)
+    if kind == 2:
+        return Answer(score, delay_s=0.3)
+    if kind == 3:
+        return Answer("overloaded", status=503)
+    return Answer(score)
+
+
+@pytest.mark.slow
+def test_a_remote_service_with_faults_scores_every_sample_or_accounts_for_it(run_job):
+    with RewardServer(faults) as server:
+        summary, run_dir = run_job(
+            "rollout.total_rollout_steps=64",  # 8 steps of 8 prompts
+            f"reward.remote.url={server.url}",
+            "reward.remote.timeout_s=1.0",
+            "reward.remote.max_retries=2",
+            "reward.remote.backoff_s=0.05",
+            "trainer.monitor=jsonl",
+            name="remote",
+        )
+    assert summary["audit_ok"] and summary["steps"] == 8
+    audit = (run_dir / "audit.txt").read_text()
+    assert "every failed reward accounted for" in audit
+    rows = samples(run_dir, ["sample_id", "reward", "reward_error", "reward_sources", "reward_status", "response_mask"])
+    kinds = {r["sample_id"]: zlib.crc32(r["sample_id"].encode()) % 10 for r in rows}
+    # every generated sample went to the service, and the attempts it counted are the requests the service received
+    attempts = {r["sample_id"]: dict(r["reward_sources"])["remote"]["attempts"] for r in rows}
+    assert attempts == dict(server.requests)
+    for row in rows:
+        rec, kind = dict(row["reward_sources"])["remote"], kinds[row["sample_id"]]
+        if kind == 3:  # failed for good: three attempts, masked, out of the loss, its error on record
+            assert rec["attempts"] == 3 and "HTTP 503" in rec["error"] and row["reward_error"].startswith("remote: ")
+            assert row["reward_status"] == "masked" and not any(row["response_mask"]) and row["reward"] == 0.0
+        else:  # a 500 or a timeout retried once; the rest scored first time
+            assert rec["error"] is None and row["reward_status"] == "ok"
+            assert rec["attempts"] == (2 if kind in (0, 1) else 1)
+            assert row["reward"] == pytest.approx(rec["score"])
+        if kind == 1:
+            assert rec["latency_s"] >= 1.0  # the cut attempt's wait is in the sample's latency
+    assert {0, 1, 2, 3} <= set(kinds.values())  # every fault was met
+    # the step metrics count the retries of exactly the trained samples
+    trained = consumed_ids(run_dir)
+    retried = sum(attempts[s] - 1 for s in trained)
+    assert sum(m["reward/remote/retries"] for m in metrics(run_dir)) == retried
+    masked = sum(1 for r in rows if r["sample_id"] in trained and r["reward_status"] == "masked")
+    assert sum(m["reward/status/masked_ratio"] * 64 for m in metrics(run_dir)) == pytest.approx(masked)
