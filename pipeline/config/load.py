@@ -146,14 +146,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     notices: list[str] = []
     layers.append(_translate_verl(OmegaConf.load(cfg_path)))
     notices += _set_aside(layers[-1], schema)
-    bad = [o for o in overrides if "=" not in o or o.startswith("~")]
-    if bad:
-        raise ConfigError(
-            f"override {bad[0]!r} is not of the form key=value (e.g. rollout.n=4); hydra's ~key (delete a key) has "
-            "no meaning here: every key has a default."
-        )
-    # hydra's +key / ++key add a key its struct config lacks; the schema here holds every key it accepts
-    overrides = [o.lstrip("+") for o in overrides]
+    overrides = [_dotlist_item(o) for o in overrides]
     layers.append(_translate_verl(OmegaConf.from_dotlist(overrides)))
     notices += _set_aside(layers[-1], schema)
     try:
@@ -168,6 +161,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     validate(cfg)
     cfg.notices = notices
     return cfg
+
+
+def _dotlist_item(override: str) -> str:
+    """A command-line override as omegaconf's `key=value`, read as verl's hydra reads it: `+key=value` (add a key
+    verl's config lacks) and `++key=value` (set it, there or not) set the key as `key=value` does, since the schema
+    here holds every key it accepts (and the open sections, such as reward.reward_kwargs, take new ones). Hydra's
+    other forms are one error each: `~key` deletes a key, `key@package` moves a config group, neither of which has
+    a meaning here, and three or more `+` are not hydra's either."""
+    key = override.split("=", 1)[0]
+    name = key[2:] if key.startswith("++") else key[1:] if key.startswith("+") else key
+    if "=" not in override or not name or name.startswith(("+", "~")) or override.startswith("~") or "@" in key:
+        raise ConfigError(
+            f"override {override!r} is not of the form key=value, +key=value or ++key=value (e.g. rollout.n=4); "
+            "hydra's ~key (delete a key) and key@package have no meaning here: every key has a default."
+        )
+    return override[len(key) - len(name) :]
 
 
 def _derive(cfg: RunConfig) -> None:
