@@ -5,7 +5,8 @@ on the embedded model's shape and a batch of very different lengths (1 to 200 re
 - a whole PPO step, with token-budget micro-batches too: the same metrics and weights after it;
 - MoE routing replay: the same replayed and changed route counts, per token;
 - the reference model's logprobs;
-- activation checkpointing (model.enable_gradient_checkpointing): the same gradients.
+- activation checkpointing (model.enable_gradient_checkpointing): the same gradients;
+- a bf16 trainer (mixed_precision.param_dtype) runs its packed forward under its autocast, as its padded one.
 """
 
 import numpy as np
@@ -15,7 +16,9 @@ import torch
 
 from pipeline.tasks.embedded import build_model
 from stages.ref_logprob import RefLogprob
+from stages.trainer import packing
 from stages.trainer.packing import pack, packed_attention
+from stages.trainer.precision import MixedPrecision
 from stages.trainer.settings import ExecutionSettings, PolicySettings, RouterReplaySettings
 from stages.trainer.step import pad_routes
 from stages.trainer.torch_backend import TorchTrainer
@@ -47,9 +50,12 @@ def _batch(seed: int = 0) -> tuple[list, list]:
     return prompts, responses
 
 
-def _trainer(model_dir: str, packed: bool, checkpointing: bool = False, **policy) -> TorchTrainer:
+def _trainer(
+    model_dir: str, packed: bool, checkpointing: bool = False, param_dtype: str | None = None, **policy
+) -> TorchTrainer:
     execution = ExecutionSettings(use_remove_padding=packed, enable_gradient_checkpointing=checkpointing)
-    return TorchTrainer(model_dir, PolicySettings(lr=1e-3, **policy), execution=execution)
+    precision = MixedPrecision(param_dtype=param_dtype)
+    return TorchTrainer(model_dir, PolicySettings(lr=1e-3, **policy), execution=execution, mixed_precision=precision)
 
 
 def _forward_and_grads(trainer: TorchTrainer, prompts: list, responses: list, **kw):
@@ -155,6 +161,24 @@ def test_activation_checkpointing_gives_the_same_gradients(dense_dir):
         ckpt, g_ckpt = _forward_and_grads(_trainer(dense_dir, packed, checkpointing=True), prompts, responses)
         assert ckpt.logp.grad_fn is not None and torch.allclose(ckpt.logp, plain.logp, atol=1e-6)
         _assert_grads_close(g_plain, g_ckpt)
+
+
+def test_a_bf16_trainer_packs_under_its_autocast(dense_dir, monkeypatch):
+    seen = []
+    attend = packing.packed_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "packed_attention", recording)  # registered by the trainer's use_packed_attention
+    prompts, responses = _batch(7)
+    padded = _trainer(dense_dir, packed=False, param_dtype="bf16")._token_logprobs(prompts, responses)
+    packed = _trainer(dense_dir, packed=True, param_dtype="bf16")._token_logprobs(prompts, responses)
+    assert seen and all(dtype == torch.bfloat16 for dtype in seen)
+    assert packed.logp.dtype == torch.float32  # the logprobs from fp32 logits
+    on = padded.mask > 0
+    assert float((packed.logp - padded.logp)[on].abs().max()) < 0.05  # bf16's rounding, both paths
 
 
 def test_sliding_window_attention_is_refused_when_packed():
