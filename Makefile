@@ -29,11 +29,15 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(VENV)/bin/asyncrl run $(ARGS)
 
+# The whole suite: unit and CLI tests first, then the multi-process and stream tests (tests/conftest.py orders them and
+# sets each folder's timeout). pytest's cache is on: `make test ARGS=--lf` reruns what failed last time.
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q $(ARGS) tests
 
+# The unit and CLI tests: no Ray session of the suite's, no engine; a few minutes on 2 cores. The extras' resolution
+# (marked `network`: pip downloads torch's and vLLM's wheels, up to 10 minutes an extra) is left out.
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not network" tests
+	$(PY) -m pytest -q -m "not network" $(ARGS) tests/unit tests/cli
 
 # The benchmarks of docs/benchmarks.md, one after the other (about 50 minutes on 2 cores); each prints its table last.
 bench: install
@@ -49,6 +53,7 @@ bench: install
 	$(PY) -m bench.prompts_1m
 	$(PY) -m bench.routes
 	$(PY) -m bench.data_parallel
+	$(PY) -m bench.trainer_efficiency
 
 # asyncrl against TRL's GRPOTrainer on the same work (docs/benchmarks.md, "Against TRL"); installs TRL into a virtualenv
 # of its own (~/.cache/asyncrl/peers-venv) on first use. About 30 minutes on 2 cores; pass options with ARGS.

@@ -1,6 +1,6 @@
 """Fit the simulated workload to one of verl's published tables; prints the numbers of its conf/sim/ preset.
 
-Two tables from the fully_async_policy README (seed 001), each colocated sync against fully async on the same GPUs:
+Two tables from verl's fully_async_policy README, each colocated sync against fully async on the same GPUs:
 
 - `7b` (conf/sim/verl_7b_128gpu.yaml), Qwen2.5-Math-7B on 128 GPUs, per step of 512 prompts x 16 responses (max
   28K tokens): colocated gen 177.85 s, old_log_prob 53.92 s + update_actor 113.81 s, step 356.30 s; fully async
@@ -21,6 +21,7 @@ generation time. Training and sync times are the table's.
 
     python -m bench.calibrate            # the 7b table
     python -m bench.calibrate retool
+    python -m bench.calibrate --smoke    # seconds: two candidates, a coarse fit; checks the code path only
 """
 
 from __future__ import annotations
@@ -144,35 +145,38 @@ def fully_async(t: Table, slots: int) -> Setting:
     return Setting(budget, n=t.n, max_tokens=t.max_len, slots=slots // 2, in_engine=10**6, pause_mode="abort")
 
 
-def fit_decode(t: Table, slots: int) -> float:
-    """The per-token decode time that makes the colocated generation phase last `colo_gen` seconds."""
+def fit_decode(t: Table, slots: int, steps: int = STEPS, rounds: int = 22) -> float:
+    """The per-token decode time that makes the colocated generation phase last `colo_gen` seconds (bisection)."""
     lo, hi = 1e-4, 0.1
-    for _ in range(22):
+    for _ in range(rounds):
         mid = (lo + hi) / 2
-        gen = simulate(t.workload(decode_s_per_token=mid), colocated(t, slots), STEPS).wall_s / STEPS
+        gen = simulate(t.workload(decode_s_per_token=mid), colocated(t, slots), steps).wall_s / steps
         lo, hi = (mid, hi) if gen < t.colo_gen else (lo, mid)
     return (lo + hi) / 2
 
 
-def async_wait(t: Table, slots: int, decode: float, train_per_token: float) -> float:
+def async_wait(t: Table, slots: int, decode: float, train_per_token: float, steps: int = STEPS) -> float:
     """The async trainer's wait for data per colocated step's prompts."""
     work = t.workload(decode_s_per_token=decode, train_s_per_token=train_per_token)
     windows = t.prompts // (t.mini_batch * t.require_batches)  # local steps per colocated step's prompts
-    out = simulate(work, fully_async(t, slots), windows * STEPS)
-    return (out.wall_s - out.train_s) / STEPS
+    out = simulate(work, fully_async(t, slots), windows * steps)
+    return (out.wall_s - out.train_s) / steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> tuple[int, float, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("table", nargs="?", default="7b", choices=sorted(TABLES))
-    t = TABLES[parser.parse_args().table]
-    tokens_per_step = t.prompts // t.scale * t.n * mean_length(t.workload(), t.max_len)
+    parser.add_argument("--smoke", action="store_true", help="two candidates, a coarse fit: seconds; figures void")
+    args = parser.parse_args(argv)
+    t = TABLES[args.table]
+    tokens_per_step = t.prompts // t.scale * t.n * mean_length(t.workload(), t.max_len, 2000 if args.smoke else 20000)
     async_per_token = t.async_train / tokens_per_step
+    steps, rounds = (2, 6) if args.smoke else (STEPS, 22)
     print(f"{'slots (all GPUs)':>18} {'decode s/token':>15} {'async gen wait s':>17}")
     best = None
-    for slots in t.slot_range:
-        decode = fit_decode(t, slots)
-        wait = async_wait(t, slots, decode, async_per_token)
+    for slots in t.slot_range[2:4] if args.smoke else t.slot_range:
+        decode = fit_decode(t, slots, steps, rounds)
+        wait = async_wait(t, slots, decode, async_per_token, steps)
         print(f"{slots:>18} {decode:>15.6f} {wait:>17.2f}")
         if best is None or abs(wait - t.async_wait) < abs(best[2] - t.async_wait):
             best = (slots, decode, wait)
@@ -180,6 +184,7 @@ def main() -> None:
     print(f"\nfit: slots {slots} (colocated; async half), decode_s_per_token {decode:.6f}, async wait {wait:.2f} s")
     print(f"train_s_per_token colocated {t.colo_train / tokens_per_step:.4e}, async {async_per_token:.4e}")
     print(f"sync_s colocated {t.colo_switch:.2f} (per step), async {t.async_sync:.2f} (per sync)")
+    return best
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ executor, the gate's calls, the sink) and Ray's own daemons. Only this process a
 
     python -m bench.cpu_share                              # the embedded job (`make run`), about 4 minutes
     python -m bench.cpu_share conf/multi_turn.yaml async_training.partial_rollout=true
+    python -m bench.cpu_share --smoke                      # seconds, on the simulated toy workload (bench/smoke.py)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import psutil
 import pyarrow.dataset as pds
 
+from bench.smoke import SIM_TOY, TINY
 from pipeline.config import DEFAULT_CONFIG, load_config
 
 # First match wins: the command line of each process (Ray and vLLM set their processes' titles) against these.
@@ -105,12 +107,16 @@ def step_starts(run_dir: Path) -> dict[int, float]:
     return starts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="the job's YAML")
     parser.add_argument("overrides", nargs="*", help="key=value, as `asyncrl run` takes them")
     parser.add_argument("--skip", type=int, default=8, help="steps left out at the start and at the end (>= 1)")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="seconds, on the simulated toy workload; figures void")
+    args = parser.parse_args(argv)
+    if args.smoke:  # 12 steps, sampled 10 times a second
+        args.config, args.skip = SIM_TOY, 1
+        args.overrides = [*TINY, "rollout.total_rollout_steps=48", "sim.time_scale=0.002", *args.overrides]
     if args.skip < 1:
         parser.error("--skip must be at least 1: the window ends where the step after it starts")
     from pipeline.run import run
@@ -120,7 +126,7 @@ def main() -> None:
         args.config,
         [f"trainer.output_dir={out}", "trainer.monitor=jsonl", "trainer.run_name=cpu-share", *args.overrides],
     )
-    sampler = Sampler()
+    sampler = Sampler(period_s=0.1 if args.smoke else 1.0)
     sampler.start()
     summary = run(cfg)
     sampler.stopped.set()
@@ -128,10 +134,11 @@ def main() -> None:
     if last <= first:
         raise SystemExit(f"the run has {summary['steps']} steps: too few to leave out {args.skip} at each end")
     print(f"\n{args.config} {' '.join(args.overrides)}: steps {first}-{last}")
-    report(summary, sampler.samples, first, last)
+    return report(summary, sampler.samples, first, last)
 
 
-def report(summary: dict, samples: list, first: int, last: int) -> None:
+def report(summary: dict, samples: list, first: int, last: int) -> dict[str, float]:
+    """Prints the window's step time and cores per kind of process; returns the cores."""
     run_dir = Path(summary["run_dir"])
     starts = step_starts(run_dir)
     begin, end = starts[first], starts[last + 1]
@@ -147,6 +154,7 @@ def report(summary: dict, samples: list, first: int, last: int) -> None:
         f"trainer idle {summary['trainer_idle_ratio']:.2f}, engine idle {summary['rollouter_idle_ratio']:.2f}, "
         f"audit {'PASS' if summary['audit_ok'] else 'FAIL'}"
     )
+    return cores
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ proximal pass on; the trainers alternate for ROUNDS rounds and the median of eac
 background load falls on both alike. Each rank runs one torch thread, so DP = 2 uses two cores where DP = 1 uses one.
 
     python -m bench.data_parallel          # a few minutes on 2 cores
+    python -m bench.data_parallel --smoke  # every layout's start-up, then one step of 8 rows each; figures void
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -42,7 +44,11 @@ def timed(ray, call) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="one round of one 8-row step per layout; figures void")
+    args = parser.parse_args(argv)
+    rounds, rows = (1, 8) if args.smoke else (ROUNDS, 64)
     import ray
 
     from pipeline.config import load_config
@@ -56,7 +62,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-dp-"))
     start_ray(load_config(None, []), out)
     model_dir = str(build_embedded(out, 8, seed=5).model_dir)
-    policy, batch = PolicySettings(lr=1e-5, micro_batch_size=16), minibatch()
+    policy, batch = PolicySettings(lr=1e-5, micro_batch_size=16), minibatch(rows)
     args = dict(policy=policy, compute_prox_log_prob=True)
     megatron = ray.remote(MegatronTrainer).options(num_cpus=0)
     trainers = {
@@ -68,7 +74,7 @@ def main() -> None:
     }
     steps: dict[str, list[float]] = {name: [] for name in trainers}
     exports: dict[str, list[float]] = {name: [] for name in trainers}
-    for i in range(ROUNDS + 1):  # the first round warms them up and is not counted
+    for i in range(rounds + 1):  # the first round warms them up and is not counted
         for name, trainer in trainers.items():
             step = timed(ray, lambda t=trainer: t.train_step.remote([batch]))
             path = str(out / f"{name.replace(' ', '_')}.safetensors")
@@ -80,7 +86,7 @@ def main() -> None:
     step = {name: statistics.median(v) for name, v in steps.items()}
     export = {name: statistics.median(v) for name, v in exports.items()}
     tokens = sum(len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"], strict=True))
-    print(f"\nbench.data_parallel: one step of {len(batch['prompt_ids'])} rows ({tokens} tokens), median of {ROUNDS}")
+    print(f"\nbench.data_parallel: one step of {len(batch['prompt_ids'])} rows ({tokens} tokens), median of {rounds}")
     print(f"{'layout':>18} {'step s':>8} {'step / DP1':>10} {'export s':>9} {'export / DP1':>12}")
     for name in trainers:
         base = "torch DP1" if name.startswith("torch") else "megatron DP1xTP1"
@@ -88,6 +94,7 @@ def main() -> None:
             f"{name:>18} {step[name]:>8.3f} {step[name] / step[base]:>10.2f} {export[name]:>9.3f} "
             f"{export[name] / export[base]:>12.2f}"
         )
+    return step
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Bytes that cross the driver per step: the stream consumed whole (Ray Data's iter_batches, as before) against the
 hand-off (stages/handoff.py: light columns to the driver, per-token columns from the object store to the trainer).
 
-One synthetic step shaped like the seed's at a smaller scale (`--responses` of `--mean-tokens` tokens on average,
+One synthetic step shaped like verl's 7B table's at a smaller scale (`--responses` of `--mean-tokens` tokens on average,
 with logprobs, token versions, mask, advantages and text), in blocks of one group, on a local Ray. Both ways run in
 this one process, side by side; the figure printed per way is the Arrow bytes the driver received, and the ratio.
 
     python -m bench.handoff [--responses 256] [--mean-tokens 8192]
+    python -m bench.handoff --smoke        # seconds: 32 responses of 64 tokens; figures void
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import ray
 from schemas import SAMPLE_SCHEMA
 from stages.handoff import ByReference, SplitTokens, TokenTables
 
-GROUP = 16  # responses per prompt (the seed's n)
+GROUP = 16  # responses per prompt (verl's 7B run's n)
 
 
 def _block(pid: int, mean_tokens: int, rng) -> pa.Table:
@@ -43,11 +44,14 @@ def _block(pid: int, mean_tokens: int, rng) -> pa.Table:
     return pa.table(cols, schema=SAMPLE_SCHEMA)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--responses", type=int, default=256)
     parser.add_argument("--mean-tokens", type=int, default=8192)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="32 responses of 64 tokens: seconds; figures void")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.responses, args.mean_tokens = 32, 64
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     rng = np.random.default_rng(0)
     blocks = [_block(p, args.mean_tokens, rng) for p in range(args.responses // GROUP)]
@@ -75,6 +79,7 @@ def main() -> None:
     print(f"{'whole blocks (iter_batches)':<34} {whole / 2**20:>11.2f} {whole_s:>9.2f}")
     print(f"{'hand-off (light columns only)':<34} {light / 2**20:>11.3f} {light_s:>9.2f}")
     print(f"driver bytes, hand-off / whole: {light / whole:.4f}; left in the object store: {heavy / 2**20:.1f} MiB")
+    return {"whole": whole, "light": light, "heavy": heavy}
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ by step: the same learning curve by step means the mode trades no learning for i
 
     python -m bench.learning               # about 4 minutes on 2 cores
     python -m bench.learning --shapes      # the default job at three call shapes instead of the three modes
+    python -m bench.learning --smoke       # seconds, on the simulated toy workload (bench/smoke.py)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from bench.smoke import job
 from pipeline.config import load_config
 from pipeline.prepare import start_ray
 
@@ -56,24 +58,28 @@ def quarters(rows: list[dict]) -> list[float]:
     return [sum(r["reward/mean"] for r in rows[a:b]) / (b - a) if b > a else float("nan") for a, b in spans]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=float, default=0.6, help="rolling mean reward to reach")
     parser.add_argument("--prompts", type=int, default=1024, help="rollout.total_rollout_steps of each run")
     parser.add_argument("--shapes", action="store_true", help="the default job at three call shapes (SHAPES)")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="seconds, on the simulated toy workload; figures void")
+    args = parser.parse_args(argv)
     runs = SHAPES if args.shapes else MODES
+    config, tiny, per_step = job(args.smoke)
+    prompts = 8 * per_step if args.smoke else args.prompts
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-learning-"))
-    start_ray(load_config(None, []), out)
+    start_ray(load_config(config, tiny), out)
     from pipeline.run import run
 
     results = {}
     for i, (name, overrides) in enumerate(runs.items()):
         cfg = load_config(
-            None,
+            config,
             [
+                *tiny,
                 *overrides,
-                f"rollout.total_rollout_steps={args.prompts}",
+                f"rollout.total_rollout_steps={prompts}",
                 "trainer.monitor=jsonl",
                 f"trainer.output_dir={out}",
                 f"trainer.run_name=run{i}",
@@ -83,7 +89,7 @@ def main() -> None:
         rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
         results[name] = (summary, *time_to_target(rows, args.target), quarters(rows))
         print(f"bench: {name}: {results[name][1:3]}", flush=True)
-    print(f"\nreward target {args.target} (rolling mean of {WINDOW} steps); {args.prompts} prompts per run")
+    print(f"\nreward target {args.target} (rolling mean of {WINDOW} steps); {prompts} prompts per run")
     print(
         f"{'mode':<24} {'step':>5} {'wall s':>7} {'total s':>8} {'s/step':>7} {'trainer idle':>12} "
         f"{'reward by quarter of the steps':>31} {'x first':>7} {'audit':>5}"
@@ -98,6 +104,7 @@ def main() -> None:
             f"{s['trainer_idle_ratio']:>12.2f} {curve:>31} {speedup} {'PASS' if s['audit_ok'] else 'FAIL':>5}"
         )
     print(f"x first: the time to the target of the first row ({next(iter(results))}) over this one's")
+    return results
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ the last `--skip` (the end-of-run drain, when the gate has nothing left to admit
 windows of `--window` steps, a mode's the mean of its runs, and the table gives the spread over runs and over all
 windows. Ratios are against the synchronous on-policy pipeline: on one machine whose cores the engine and the
 trainer share, it is what colocated synchronous training is (each side waits while the other works), the baseline
-of seed 001's 1.55-1.60x on 32 GPUs. The simulated multi-turn workload fitted to that table is
-`python -m bench.modes --table retool`.
+of verl's 1.55-1.60x on 32 GPUs (its fully_async_policy README). The simulated multi-turn workload fitted to that
+table is `python -m bench.modes --table retool`.
 
     python -m bench.multi_turn                                  # about 11 minutes on 2 cores
     python -m bench.multi_turn --repeats 3 --modes sync,partial  # about 19 minutes
+    python -m bench.multi_turn --smoke      # seconds: sync and partial on the simulated toy workload, 2 turns
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from pathlib import Path
 
 import pyarrow.dataset as pds
 
+from bench.smoke import SIM_TOY, TINY
 from pipeline.config import CONF_DIR, load_config
 
-# The seed's ReTool run syncs every 4 steps with staleness 1 (as conf/sim/verl_retool_32gpu.yaml): every mode starts
+# verl's ReTool run syncs every 4 steps with staleness 1 (as conf/sim/verl_retool_32gpu.yaml): every mode starts
 # from that, and each sets what verl's four configurations set on top.
 SEED_SETTINGS = ["async_training.staleness_threshold=1.0", "async_training.trigger_parameter_sync_step=4"]
 MODES = {  # --modes key: (the table's name, overrides)
@@ -46,7 +48,7 @@ MODES = {  # --modes key: (the table's name, overrides)
     "stale": ("async stale samples", ["async_training.partial_rollout=false"]),
     "partial": ("async + partial rollout", ["async_training.partial_rollout=true"]),
 }
-SEED_001 = "1.55-1.60x"  # verl's multi-turn tool-calling speedup over colocated sync (seeds/README.md)
+VERL_RETOOL = "1.55-1.60x"  # verl's multi-turn tool-calling speedup over colocated sync (its fully_async_policy README)
 
 
 def steady_windows(elapsed: list[float], skip: int, window: int) -> list[float]:
@@ -55,13 +57,14 @@ def steady_windows(elapsed: list[float], skip: int, window: int) -> list[float]:
     return [(inner[i + window] - inner[i]) / window for i in range(0, len(inner) - window, window)]
 
 
-def run_mode(mode: str, out: Path, prompts: int, name: str) -> dict:
+def run_mode(mode: str, out: Path, prompts: int, name: str, smoke: bool = False) -> dict:
     """One run of `mode` in this process (which starts and ends its own Ray); what the table needs of it."""
     from pipeline.run import run
 
     cfg = load_config(
-        str(CONF_DIR / "multi_turn.yaml"),
+        SIM_TOY if smoke else str(CONF_DIR / "multi_turn.yaml"),
         [
+            *([*TINY, "sim.turns=2", "sim.tool_s=1"] if smoke else []),
             *SEED_SETTINGS,
             *MODES[mode][1],
             f"rollout.total_rollout_steps={prompts}",
@@ -104,7 +107,7 @@ def summarize(runs: list[dict], skip: int, window: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=384, help="rollout.total_rollout_steps of each run (8 a step)")
     parser.add_argument("--skip", type=int, default=8, help="steps left out at the start and at the end")
@@ -114,11 +117,14 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run this mode here, into --out/NAME.json
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="sync and partial, simulated, a few steps; figures void")
+    args = parser.parse_args(argv)
+    if args.smoke and not args.one:  # 12 steps of 4 prompts, windows of 2 steps between the first and last 2
+        args.prompts, args.skip, args.window, args.modes = 48, 2, 2, "sync,partial"
     if args.one:
-        result = run_mode(args.one, Path(args.out), args.prompts, args.name)
+        result = run_mode(args.one, Path(args.out), args.prompts, args.name, args.smoke)
         (Path(args.out) / f"{args.name}.json").write_text(json.dumps(result))
-        return
+        return result
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown or args.repeats < 1:
         parser.error(f"--modes takes {', '.join(MODES)} (not {unknown}); --repeats at least 1")
@@ -130,12 +136,12 @@ def main() -> None:
             name = f"{mode}-{repeat}"
             # A process of its own: a fresh driver and Ray session, nothing left over from the run before.
             command = [sys.executable, "-m", "bench.multi_turn", "--one", mode, "--out", str(out), "--name", name]
-            subprocess.run([*command, "--prompts", str(args.prompts)], check=True)
+            subprocess.run([*command, "--prompts", str(args.prompts), *(["--smoke"] if args.smoke else [])], check=True)
             runs[mode].append(json.loads((out / f"{name}.json").read_text()))
             print(f"bench: {MODES[mode][0]}, run {repeat + 1}: {runs[mode][-1]['summary']['wall_s']:.0f} s", flush=True)
-    print_table(
-        {m: summarize(r, args.skip, args.window) for m, r in runs.items()}, args, len(runs["sync"][0]["elapsed"])
-    )
+    table = {m: summarize(r, args.skip, args.window) for m, r in runs.items()}
+    print_table(table, args, len(runs["sync"][0]["elapsed"]))
+    return table
 
 
 def print_table(modes: dict[str, dict], args: argparse.Namespace, steps: int) -> None:
@@ -155,7 +161,7 @@ def print_table(modes: dict[str, dict], args: argparse.Namespace, steps: int) ->
             f"{base / m['s_per_step']:>5.2f}x {m['tools']:>6.2f} {m['reward'][0]:>8.2f} / {m['reward'][1]:<7.2f} "
             f"{m['idle'][0]:>12.2f} {m['idle'][1]:>11.2f} {'PASS' if m['audit_ok'] else 'FAIL':>5}"
         )
-    print(f"seed 001 (verl, 32 GPUs, against colocated sync): {SEED_001}")
+    print(f"verl's ReTool table (32 GPUs, against colocated sync): {VERL_RETOOL}")
 
 
 if __name__ == "__main__":

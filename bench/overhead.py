@@ -6,10 +6,12 @@ measured is the pipeline's own work: Ray Data's scheduling and hand-offs between
 to the VersionClock, Arrow conversions, the sample and consumption logs, the sink's grouping.
 
     python -m bench.overhead               # about 3 minutes on 2 cores
+    python -m bench.overhead --smoke       # seconds: one call shape, a few steps; figures void
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -27,7 +29,7 @@ TYPICAL = {"embedded job step (64 samples, ~1 s)": (64, 1.0), "verl 7B step (204
 
 
 def run_once(
-    out: Path, prompts_per_call: int, calls_in_flight: int, in_engine: bool = False
+    out: Path, prompts_per_call: int, calls_in_flight: int, in_engine: bool = False, prompts: int = PROMPTS
 ) -> tuple[float, float, bool]:
     """(samples per second over the steady part of the run, total wall seconds, audit verdict). `in_engine`: score,
     log and split in the engine's actor (rollout.score_in_engine)."""
@@ -41,7 +43,7 @@ def run_once(
             "sim.length_sigma=0",
             "sim.length_mean=32",
             f"rollout.n={N}",
-            f"rollout.total_rollout_steps={PROMPTS}",
+            f"rollout.total_rollout_steps={prompts}",
             f"rollout.prompts_per_call={prompts_per_call}",
             f"rollout.calls_in_flight={calls_in_flight}",
             "actor.ppo_mini_batch_size=8",
@@ -58,13 +60,17 @@ def run_once(
     return samples / (ends[-1] - ends[skip]), ends[-1], summary["audit_ok"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[tuple]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="one call shape, a few steps: seconds; figures void")
+    args = parser.parse_args(argv)
+    prompts, shapes = (48, ((4, 4),)) if args.smoke else (PROMPTS, ((1, 8), (4, 4), (8, 2)))
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-overhead-"))
     start_ray(load_config(SIM, []), out)
     rows = []
-    for ppc, calls in ((1, 8), (4, 4), (8, 2)):
+    for ppc, calls in shapes:
         for in_engine in (False, True):  # side by side: scoring in the stream's last stage, or in the engine's actor
-            rate, wall, ok = run_once(out, ppc, calls, in_engine)
+            rate, wall, ok = run_once(out, ppc, calls, in_engine, prompts)
             rows.append((ppc, calls, "engine" if in_engine else "stage", rate, wall, ok))
             print(f"bench: prompts_per_call={ppc}, scored in the {rows[-1][2]}: {rate:.0f} samples/s", flush=True)
     print(
@@ -80,10 +86,11 @@ def main() -> None:
         verdict = "PASS" if ok else "FAIL"
         print(f"{ppc:>12} {calls:>6} {where:>9} {rate:>10.0f} {1000 / rate:>10.2f} {wall:>6.1f} {verdict:>6}  {shares}")
     print(
-        f"{PROMPTS} prompts x {N} responses per run, engines and trainer instant, 2 cores for everything; share = "
+        f"{prompts} prompts x {N} responses per run, engines and trainer instant, 2 cores for everything; share = "
         "the step's samples x ms/sample / step time, an upper bound: the stream does this work beside the step; "
         "scored in the engine: rollout.score_in_engine (the default), in a stage: rollout.score_in_engine=false"
     )
+    return rows
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ consumer stood still.
 
     python -m bench.prompts_1m            # about a minute on 2 cores
     python -m bench.prompts_1m --before   # also every row and block built up front, at 1e6 (minutes, GBs)
+    python -m bench.prompts_1m --smoke    # seconds: 2,000 rows, one process per total; figures void
 """
 
 from __future__ import annotations
@@ -148,28 +149,31 @@ def pull(path: Path, model_dir: Path, out: Path, total: int, n_blocks: int = 5, 
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", action="store_true", help="also build every row and block up front at 1e6")
     parser.add_argument("--measure", nargs=4, metavar=("PATH", "MODEL_DIR", "TOTAL", "MODE"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="2,000 rows, one process per total: seconds")
+    args = parser.parse_args(argv)
     if args.measure:
         path, model_dir, total, mode = args.measure
-        print(json.dumps(measure(Path(path), Path(model_dir), int(total), mode)))
-        return
+        result = measure(Path(path), Path(model_dir), int(total), mode)
+        print(json.dumps(result))
+        return result
+    rows, repeats, still_s = (2000, 1, 1.0) if args.smoke else (ROWS, 3, 20.0)
     from pipeline.tasks.embedded import build_tokenizer
 
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-prompts-"))
     path, model_dir = out / "prompts.parquet", out / "tokenizer"
-    write_prompts(path, ROWS)
+    write_prompts(path, rows)
     build_tokenizer(model_dir, seed=0)
-    print(f"bench: {ROWS:,} rows in {path} ({path.stat().st_size / 2**20:.1f} MiB)", flush=True)
+    print(f"bench: {rows:,} rows in {path} ({path.stat().st_size / 2**20:.1f} MiB)", flush=True)
     runs = [("lazy", total) for total in TOTALS] + ([("eager", TOTALS[0])] if args.before else [])
     results = []
     for mode, total in runs:
-        results.append((mode, total, in_fresh_process(path, model_dir, total, mode, 3 if mode == "lazy" else 1)))
+        results.append((mode, total, in_fresh_process(path, model_dir, total, mode, repeats if mode == "lazy" else 1)))
         print(f"bench: {mode} total={total:.0e}: {results[-1][2]['seconds']:.2f} s", flush=True)
-    pulled = pull(path, model_dir, out, TOTALS[-1])
+    pulled = pull(path, model_dir, out, TOTALS[-1], still_s=still_s)
     header = (
         "source",
         "total_rollout_steps",
@@ -198,9 +202,10 @@ def main() -> None:
         f"{pulled['read_rows']:,} prompts ({pulled['read_mib']:.1f} MiB), cut into {pulled['cut_blocks']:,} blocks"
     )
     print(
-        f"{ROWS:,} rows, {BLOCK_ROWS} prompts per block, data.max_prompt_length={MAX_PROMPT_LENGTH}, 2 cores; "
-        "start-up = read + checks up front + lazy layout, the fastest of 3 fresh processes per total"
+        f"{rows:,} rows, {BLOCK_ROWS} prompts per block, data.max_prompt_length={MAX_PROMPT_LENGTH}, 2 cores; "
+        f"start-up = read + checks up front + lazy layout, the fastest of {repeats} fresh processes per total"
     )
+    return {"results": results, "pulled": pulled}
 
 
 if __name__ == "__main__":

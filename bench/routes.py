@@ -7,10 +7,12 @@ caching in both (the hook needs it off); what prefix caching would save besides 
 requests share (a GRPO group shares its prompt).
 
     python -m bench.routes          # about 2 minutes on 2 cores
+    python -m bench.routes --smoke  # the engine's start-up, then one round each way of 4 prompts x 8 tokens
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import statistics
@@ -21,14 +23,14 @@ from pathlib import Path
 PROMPTS, TOKENS, ROUNDS = 64, 128, 8
 
 
-def rounds(replica, prompts: list[list[int]]) -> dict[bool, list[float]]:
+def rounds(replica, prompts: list[list[int]], tokens: int = TOKENS, count: int = ROUNDS) -> dict[bool, list[float]]:
     """Tokens per second of each round, by whether capture was on; rounds alternate, the first of each uncounted."""
     engine = replica.engine
     capture = engine.route_capture
 
     async def one_round(tag: str) -> float:
         start = time.perf_counter()
-        segs = await asyncio.gather(*(replica.segment(p, TOKENS, f"{tag}-{i}") for i, p in enumerate(prompts)))
+        segs = await asyncio.gather(*(replica.segment(p, tokens, f"{tag}-{i}") for i, p in enumerate(prompts)))
         return sum(len(s.tokens) for s in segs) / (time.perf_counter() - start)
 
     def measure(on: bool, tag: str) -> float:
@@ -39,13 +41,17 @@ def rounds(replica, prompts: list[list[int]]) -> dict[bool, list[float]]:
     measure(True, "warm-on")
     measure(False, "warm-off")
     rates: dict[bool, list[float]] = {True: [], False: []}
-    for r in range(ROUNDS):
+    for r in range(count):
         for on in (r % 2 == 0, r % 2 == 1):
             rates[on].append(measure(on, f"{r}-{on}"))
     return rates
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[bool, list[float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="one round each way, 4 prompts x 8 tokens; figures void")
+    args = parser.parse_args(argv)
+    prompts, tokens, count = (4, 8, 2) if args.smoke else (PROMPTS, TOKENS, ROUNDS)
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
@@ -59,22 +65,25 @@ def main() -> None:
         "",
         "",
         n=1,
-        max_tokens=TOKENS,
+        max_tokens=tokens,
         max_model_len=192,
         validation_only=True,
         ignore_eos=True,
         enable_rollout_routing_replay=True,
         routed_experts_capture="hook",
     )
-    rows = pq.read_table(task.data_file).to_pylist()[:PROMPTS]
-    rates = rounds(gen.replica, [tokenizer(r["prompt_text"], add_special_tokens=False)["input_ids"] for r in rows])
+    rows = pq.read_table(task.data_file).to_pylist()[:prompts]
+    rates = rounds(
+        gen.replica, [tokenizer(r["prompt_text"], add_special_tokens=False)["input_ids"] for r in rows], tokens, count
+    )
     del gen  # the engine shuts down now, not while the interpreter exits
     gc.collect()
     on, off = statistics.median(rates[True]), statistics.median(rates[False])
     print(f"{'route capture':<16} {'tokens/s (median)':>18}  rounds")
     print(f"{'off':<16} {off:>18.0f}  {', '.join(f'{x:.0f}' for x in rates[False])}")
     print(f"{'on (hook)':<16} {on:>18.0f}  {', '.join(f'{x:.0f}' for x in rates[True])}")
-    print(f"capture costs {100 * (1 - on / off):.1f}% of the throughput ({PROMPTS} prompts x {TOKENS} tokens)")
+    print(f"capture costs {100 * (1 - on / off):.1f}% of the throughput ({prompts} prompts x {tokens} tokens)")
+    return rates
 
 
 if __name__ == "__main__":

@@ -85,11 +85,11 @@ def paths(prompts: dict, steps: dict, metrics: dict, skip: int) -> tuple[list[di
     return out, none_new
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--skip", type=int, default=10, help="first steps left out (start-up)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows, none_new = paths(*load(args.run_dir), args.skip)
     if not rows:
         raise SystemExit(f"no step after the first {args.skip} trained on new prompts in {args.run_dir}")
@@ -100,6 +100,7 @@ def main() -> None:
         xs = sorted(r[key] for r in rows)
         p10, p50, p90 = (xs[int(q * (len(xs) - 1))] for q in (0.1, 0.5, 0.9))
         print(f"{label:<56} {p10 * 1e3:>7.0f} {p50 * 1e3:>7.0f} {p90 * 1e3:>7.0f} {p50 / period:>9.2f}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ dedicated engine outside the stream (`use_trainer_do_validate=true`). Per mode: 
 sync and in all (syncs, plus the weight file each dedicated pass costs), its idle ratio, and the wall time.
 
     python -m bench.validation             # about 6 minutes on 2 cores
+    python -m bench.validation --smoke     # seconds, on the simulated toy workload (bench/smoke.py)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from bench.smoke import job
 from pipeline.config import load_config
 from pipeline.prepare import start_ray
 
@@ -27,21 +29,25 @@ MODES = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--test-freq", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="seconds, on the simulated toy workload; figures void")
+    args = parser.parse_args(argv)
+    config, tiny, per_step = job(args.smoke)
+    steps = 8 if args.smoke else args.steps
     out = Path(tempfile.mkdtemp(prefix="asyncrl-bench-validation-"))
-    start_ray(load_config(None, []), out)
+    start_ray(load_config(config, tiny), out)
     from pipeline.run import run
 
     results = {}
     for mode, extra in MODES.items():
         cfg = load_config(
-            None,
+            config,
             [
-                f"rollout.total_rollout_steps={8 * args.steps}",
+                *tiny,
+                f"rollout.total_rollout_steps={per_step * steps}",
                 "data.val_files=embedded",
                 "data.num_embedded_val_prompts=32",
                 f"rollout.test_freq={args.test_freq}",
@@ -71,6 +77,7 @@ def main() -> None:
             f"{sum(syncs) + sum(publish):>9.2f} {s['trainer_idle_ratio']:>12.2f} {s['wall_s']:>7.1f} "
             f"{'PASS' if s['audit_ok'] else 'FAIL':>5}"
         )
+    return results
 
 
 if __name__ == "__main__":

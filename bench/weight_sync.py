@@ -7,10 +7,12 @@ small tensors (the embedded job's: 27 tensors, 1.9 MB), pushed as a run pushes i
 broadcast) against one push per tensor (one broadcast each, as before the packing).
 
     python -m bench.weight_sync            # about a minute on 2 cores
+    python -m bench.weight_sync --smoke    # seconds: the 1M model and the small tensors, one push each; figures void
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import time
 
@@ -62,7 +64,7 @@ def _engine(host: str, port: int, shapes: list[list[int]], rounds: int, one_by_o
             receiver.receive_weights(names[part], shapes[part], dtypes[part])
 
 
-def measure(shapes: list[list[int]], one_by_one: bool = False) -> tuple[float, float, float]:
+def measure(shapes: list[list[int]], one_by_one: bool = False, repeats: int = REPEATS) -> tuple[float, float, float]:
     """(bytes, seconds per push, seconds per memory copy of the same tensors); `one_by_one`: a push per tensor."""
     from stages.transports.broadcast import BroadcastSender
 
@@ -70,7 +72,7 @@ def measure(shapes: list[list[int]], one_by_one: bool = False) -> tuple[float, f
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     sync = BroadcastSender()
     group = sync.open(2)
-    args = (group.host, group.port, shapes, REPEATS + 1, one_by_one)
+    args = (group.host, group.port, shapes, repeats + 1, one_by_one)
     engine = mp.get_context("spawn").Process(target=_engine, args=args)
     engine.start()
     sync.wait_open()
@@ -79,26 +81,30 @@ def measure(shapes: list[list[int]], one_by_one: bool = False) -> tuple[float, f
     for push in pushes:  # warm-up: connections and the receiver's first allocations
         sync.send(push)
     start = time.perf_counter()
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for push in pushes:
             sync.send(push)
-    push_s = (time.perf_counter() - start) / REPEATS
+    push_s = (time.perf_counter() - start) / repeats
     engine.join(120)
     if engine.exitcode != 0:
         raise RuntimeError(f"the receiving process ended with code {engine.exitcode}")
     copies = [torch.empty_like(t) for t in tensors]
     start = time.perf_counter()
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for dst, src in zip(copies, tensors, strict=True):
             dst.copy_(src)
-    return nbytes, push_s, (time.perf_counter() - start) / REPEATS
+    return nbytes, push_s, (time.perf_counter() - start) / repeats
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[tuple]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="the 1M model and the small tensors, one push each")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    sizes, repeats = ({"1M": SIZES["1M"]}, 1) if args.smoke else (SIZES, REPEATS)
     rows = []
-    for name, params in SIZES.items():
-        nbytes, push_s, copy_s = measure(layer_shapes(params))
+    for name, params in sizes.items():
+        nbytes, push_s, copy_s = measure(layer_shapes(params), repeats=repeats)
         rows.append((name, nbytes, push_s, copy_s))
         print(f"bench: {name}: {nbytes / push_s / 1e9:.2f} GB/s", flush=True)
     print(f"\n{'model':>6} {'MB':>8} {'push s':>8} {'push GB/s':>10} {'memcpy GB/s':>12} {'push/memcpy':>12}")
@@ -109,11 +115,12 @@ def main() -> None:
         )
     print("gloo over loopback, one engine, float32; memcpy: the same tensors copied in this process, one thread")
     small = small_model_shapes()
-    nbytes, packed_s, _ = measure(small)
-    _, one_s, _ = measure(small, one_by_one=True)
+    nbytes, packed_s, _ = measure(small, repeats=repeats)
+    _, one_s, _ = measure(small, one_by_one=True, repeats=repeats)
     head = f"small tensors ({len(small)}, {nbytes / 1e6:.1f} MB, the embedded model's)"
     print(f"\n{head}: {packed_s * 1e3:.1f} ms per push packed, {one_s * 1e3:.1f} ms one broadcast per tensor")
     print(f"packed is {one_s / packed_s:.1f}x faster")
+    return rows
 
 
 if __name__ == "__main__":

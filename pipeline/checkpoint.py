@@ -52,6 +52,20 @@ def root_of(checkpoint_dir: str, run_dir: Path) -> str:
     return (checkpoint_dir or str(run_dir / "checkpoints")).rstrip("/")
 
 
+def has_checkpoint(root: str) -> bool:
+    fs, path = fsspec.core.url_to_fs(root)
+    return fs.exists(f"{path}/{LATEST}")
+
+
+def resolve_auto_resume(cfg) -> None:
+    """verl's trainer.resume_mode=auto: continue trainer.run_name from its latest checkpoint when there is one (set
+    `resume`), else start it fresh; a run without a name is always fresh."""
+    if cfg.trainer.resume_mode != "auto" or not cfg.trainer.run_name:
+        return
+    run_dir = Path(cfg.trainer.output_dir).resolve() / cfg.trainer.run_name
+    cfg.resume = has_checkpoint(root_of(cfg.trainer.checkpoint_dir, run_dir))
+
+
 def step_url(root: str, step: int) -> str:
     return f"{root}/global_step_{step}"
 

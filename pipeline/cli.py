@@ -49,6 +49,8 @@ def _run(items: list[str]) -> int:
     except ConfigError as err:
         print(f"asyncrl: config error: {err}", file=sys.stderr)
         return 2
+    for notice in cfg.notices:  # verl keys accepted without effect, once each
+        print(f"asyncrl: note: {notice}", file=sys.stderr)
     from pipeline.finish import RunFailed, RunInterrupted
     from pipeline.run import run
 
@@ -99,9 +101,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _audit(run_dir: str) -> int:
-    from pipeline.observe.audit import audit
+    from pipeline.observe.audit import RunDirError, audit
 
-    report = audit(run_dir)
+    try:
+        report = audit(run_dir)
+    except RunDirError as err:
+        print(f"asyncrl: cannot audit: {err}", file=sys.stderr)
+        return 2
     print(report.table())
     print(f"audit: {'PASS' if report.ok else 'FAIL'}")
     return 0 if report.ok else 1

@@ -27,7 +27,8 @@ from pipeline.config.reward import check_reward_sources
 from pipeline.observe.monitor import Monitor, make_monitor
 from pipeline.stream import check_layout
 from pipeline.tasks.admission import AdmissionOrder, PromptSource
-from pipeline.tasks.source import PromptDataError, PromptFile, load_prompts
+from pipeline.tasks.model_overrides import apply_overrides
+from pipeline.tasks.source import PromptDataError, PromptFile, PromptOptions, load_prompts
 from stages import ray_internals
 from stages.staleness import StalenessBudget
 
@@ -207,7 +208,7 @@ def load_val_prompts(cfg: RunConfig, run_dir: Path, tokenizer) -> pa.Table | Non
         path = str(run_dir / "data" / "val.parquet")
     else:
         path = cfg.data.val_files
-    table = load_prompts(path, tokenizer, cfg.data.max_prompt_length)
+    table = load_prompts(path, tokenizer, cfg.data.max_prompt_length, options=prompt_options(cfg))
     ids = pa.array([f"val-{r:06d}" for r in table.column("row").to_pylist()], pa.string())
     return table.drop_columns(["row"]).add_column(0, "prompt_id", ids)
 
@@ -215,10 +216,20 @@ def load_val_prompts(cfg: RunConfig, run_dir: Path, tokenizer) -> pa.Table | Non
 def prompt_source(cfg: RunConfig, data_file: str, tokenizer, resumed: Checkpoint | None) -> PromptSource:
     """The training prompts, checked up front as far as seconds allow (pipeline/tasks/source.py), in an admission
     order laid out as the stream reads it; a resumed run's order leaves out what its checkpoint's ledger admitted."""
-    prompts = PromptFile(data_file, tokenizer, cfg.data.max_prompt_length, cfg.rollout.agent.default_agent_loop)
+    d = cfg.data
+    prompts = PromptFile(
+        data_file, tokenizer, d.max_prompt_length, cfg.rollout.agent.default_agent_loop, prompt_options(cfg)
+    )
+    if prompts.filtered:
+        print(f"asyncrl: data.filter_overlong_prompts dropped {prompts.filtered} prompts of {data_file}", flush=True)
     skip = frozenset(resumed.ledger["prompt_id"].to_pylist()) if resumed else frozenset()
-    order = AdmissionOrder(prompts.num_rows, cfg.rollout.total_rollout_steps, cfg.data.seed, skip)
+    order = AdmissionOrder(prompts.num_rows, cfg.rollout.total_rollout_steps, d.seed, skip, d.shuffle)
     return PromptSource(prompts.check_up_front(), order, cfg.rollout.prompts_per_call)
+
+
+def prompt_options(cfg: RunConfig) -> PromptOptions:
+    d = cfg.data
+    return PromptOptions(d.prompt_key, d.truncation, d.filter_overlong_prompts, dict(d.apply_chat_template_kwargs))
 
 
 def check_context(cfg: RunConfig, model_dir: Path) -> None:
@@ -323,6 +334,7 @@ def _on_loopback(address: str) -> bool:
 def prepare(cfg: RunConfig) -> RunContext:
     from transformers import AutoTokenizer
 
+    checkpoint.resolve_auto_resume(cfg)  # trainer.resume_mode=auto
     run_dir = make_run_dir(cfg)
     # Rewind before the monitor appends to metrics.jsonl; the monitor next: a bad tracking store fails in seconds.
     resumed = _rewind(cfg, run_dir) if cfg.resume else None
@@ -333,6 +345,8 @@ def prepare(cfg: RunConfig) -> RunContext:
             (model_dir, optimizer_state), data_file = checkpoint.fetch(resumed, run_dir), _resumed_data(cfg, run_dir)
         else:
             model_dir, data_file = prepare_model(cfg, run_dir)
+            embedded = cfg.model.path == "embedded"  # built in the run directory: overridden in place
+            model_dir = apply_overrides(model_dir, dict(cfg.model.override_config), run_dir, in_place=embedded)
         if cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate":
             check_context(cfg, model_dir)
         if cfg.rollout.enable_rollout_routing_replay:

@@ -8,6 +8,7 @@ trainer only ever waits for data (trainer/idle_ratio) and the engines only ever 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import ray
@@ -76,7 +77,14 @@ def _loop(cfg: RunConfig, ctx: RunContext, attempt: Attempt, restarts: int) -> d
     validator = make_validator(cfg, ctx, clock, trainer)  # held-out prompts at sync points
     try:
         first = ctx.start_step + 1  # a resumed run continues the step numbering
-        bar = tqdm(range(first, total_steps + 1), desc="train steps", unit="step", initial=first - 1, total=total_steps)
+        bar = tqdm(
+            range(first, total_steps + 1),
+            desc="train steps",
+            unit="step",
+            initial=first - 1,
+            total=total_steps,
+            disable=not sys.stderr.isatty(),  # in a log a bar is one endless line: the console monitor writes lines
+        )
         for step in bar:
             batch = sink.next_step(version, steps_left_after_this=k - 1 - (step - 1) % k)
             if batch is None:

@@ -24,6 +24,7 @@ from ray.data import ActorPoolStrategy, DataContext
 from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, bind, stage_class
+from pipeline.config.execution import reference_options
 from pipeline.config.placement import (
     RM_CPUS,
     SPLIT_CPUS,
@@ -36,10 +37,11 @@ from pipeline.config.placement import (
 )
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
+from pipeline.config.targets import advantage_wiring
 from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
 from pipeline.tasks.source import PromptDataError
 from stages import ray_internals
-from stages.advantage import ESTIMATORS, GRPOAdvantage, ReinforcePlusPlusAdvantage, whiten_step
+from stages.advantage import ESTIMATORS, whiten_step
 from stages.gate import StalenessGate
 from stages.handoff import SplitTokens, TokenTables
 from stages.remote_reward import RemoteReward
@@ -91,7 +93,11 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
             "model_dir": model_dir,
             "temperature": ro.temperature,
             "top_p": ro.top_p,
-            "max_model_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "max_model_len": ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "top_k": ro.top_k,
+            "engine_args": ro.engine_args(),
+            # set here only when rollout.gpu_memory_utilization is; else a preset's stages.generate keyword may
+            **({"gpu_memory_utilization": ro.gpu_memory_utilization} if ro.gpu_memory_utilization else {}),
             "kv_cache_gb": ro.kv_cache_gb,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
             "dtype": ro.dtype,
@@ -116,35 +122,33 @@ def advantage_stage(cfg: RunConfig) -> tuple[type, dict]:
             f"algorithm.use_kl_in_reward needs an advantage stage that takes `kl_in_reward`; {spec['_target_']} "
             "does not: subclass stages.advantage.AdvantageStage, or set algorithm.use_kl_in_reward=false"
         )
-    wiring: dict[str, Any] = {"group_size": cfg.rollout.n}
-    if alg.use_kl_in_reward:
-        wiring |= {"kl_in_reward": True, "kl_coef": alg.kl_ctrl.kl_coef, "kl_penalty": alg.kl_penalty}
-    if issubclass(cls, GRPOAdvantage):
-        wiring["norm_by_std"] = alg.norm_adv_by_std_in_grpo
-    if issubclass(cls, ReinforcePlusPlusAdvantage):
-        wiring["gamma"] = alg.gamma
-    return cls, bind(cls, "stages.advantage", wiring, extra)
+    return cls, bind(cls, "stages.advantage", advantage_wiring(cfg, cls), extra)
 
 
 def reward_stage(cfg: RunConfig) -> tuple[type, dict]:
-    crf = cfg.custom_reward_function
+    crf = cfg.reward.custom_reward_function
     cls, extra = stage_class(cfg.stages.reward, "stages.reward")
-    wiring = {"custom_path": crf.path, "custom_name": crf.name, "reward_kwargs": dict(crf.reward_kwargs)}
+    wiring = {
+        "custom_path": crf.path,
+        "custom_name": crf.name,
+        "reward_kwargs": dict(crf.reward_kwargs),
+        "manager": cfg.reward_manager(),
+    }
     return cls, bind(cls, "stages.reward", wiring, extra)
 
 
 def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
     """What the training sink applies to a whole step's table before it splits it: verl's batch-wide whitening for
-    the estimators that ask for it (`whiten_over_step`), else nothing."""
+    the estimators that ask for it (`whiten_over_step`), an estimator's own `over_step` (gpg's scale), else nothing."""
     cls, _ = advantage_stage(cfg)
-    return whiten_step if getattr(cls, "whiten_over_step", False) else None
+    return whiten_step if getattr(cls, "whiten_over_step", False) else getattr(cls, "over_step", None)
 
 
 def reward_step(cfg: RunConfig) -> RewardSources:
     """The reward step: the rule stage (`stages.reward`, with the custom reward function) unless a model source alone
     gives the reward, the remote service when reward.remote.url is set, and the failure policy
     (stages/reward_sources.py)."""
-    crf, rw = cfg.custom_reward_function, cfg.reward
+    crf, rw = cfg.reward.custom_reward_function, cfg.reward
     remote = RemoteReward(**dataclasses.asdict(rw.remote)) if rw.remote.url else None
     rule = None
     if crf.path or not (rw.reward_model.enable or remote):
@@ -277,7 +281,7 @@ def _model_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
     stages = []
     if cfg.uses_reference():  # the frozen model is loaded only when a KL needs it
         ref_cls, ref_extra = stage_class(cfg.stages.ref_logprob, "stages.ref_logprob")
-        ref_wiring = {"model_dir": reference_model_dir(cfg, inputs.model_dir, inputs.run_dir)}
+        ref_wiring = {"model_dir": reference_model_dir(cfg, inputs.model_dir, inputs.run_dir), **reference_options(cfg)}
         ref_kwargs = bind(ref_cls, "stages.ref_logprob", ref_wiring, ref_extra)
         ref_options = {
             "num_cpus": 0.5,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from pipeline.config import ConfigError
+from pipeline.config.execution import trainer_execution
 from pipeline.config.placement import (
     describe_nodes,
     describe_resources,
@@ -74,7 +75,11 @@ def start_trainer(ctx: RunContext, attempt: Attempt):
 def _backend(ctx: RunContext) -> tuple[type, dict]:
     """The trainer class and its backend-specific arguments."""
     cfg, a = ctx.cfg, ctx.cfg.actor
-    extra: dict = {"weight_sync_backend": cfg.weight_sync.backend}
+    extra: dict = {
+        "weight_sync_backend": cfg.weight_sync.backend,
+        "rollout_correction": cfg.algorithm.rollout_correction,
+        "execution": trainer_execution(cfg),
+    }
     if cfg.trainer.backend == "megatron":
         from stages.trainer.megatron_backend import MegatronTrainer as Trainer
 
@@ -82,11 +87,7 @@ def _backend(ctx: RunContext) -> tuple[type, dict]:
         extra["rank_resources"] = ctx.placement.trainer_resources()
         return Trainer, extra
     fsdp = a.fsdp_config
-    extra |= {
-        "rollout_correction": cfg.algorithm.rollout_correction,
-        "model_dtype": fsdp.model_dtype,
-        "mixed_precision": fsdp.mixed_precision,
-    }
+    extra |= {"model_dtype": fsdp.model_dtype, "mixed_precision": fsdp.mixed_precision}
     if fsdp.fsdp_size > 1:
         from stages.trainer.fsdp_backend import FSDPTrainer as Trainer
 
@@ -120,8 +121,11 @@ def _reserve_nodes(ctx: RunContext, attempt: Attempt) -> RankPlacement | None:
 
 def _policy(ctx: RunContext) -> PolicySettings:
     """The actor's objective; a null loss_scale_factor becomes data.max_response_length, verl's padded response
-    width, so seq-mean-token-sum-norm divides every micro-batch by the same constant."""
-    policy = ctx.cfg.actor.policy()
+    width, so seq-mean-token-sum-norm divides every micro-batch by the same constant; the learning-rate schedule
+    spans the run's trainer steps."""
+    cfg = ctx.cfg
+    policy = cfg.actor.policy()
     if policy.loss_scale_factor is None:
-        policy = dataclasses.replace(policy, loss_scale_factor=ctx.cfg.data.max_response_length)
-    return policy
+        policy = dataclasses.replace(policy, loss_scale_factor=cfg.data.max_response_length)
+    steps = cfg.rollout.total_rollout_steps // (cfg.async_training.require_batches * cfg.actor.ppo_mini_batch_size)
+    return dataclasses.replace(policy, optim=dataclasses.replace(policy.optim, total_training_steps=steps))

@@ -80,8 +80,13 @@ class Validator:
         self.out = Path(run_dir) / "validation"
         self.posted = False  # a pass has been posted to the replicas (so they have all joined once)
         self.pending: list[tuple[Any, int]] = []  # (message seq, or the dedicated engine's ObjectRef; version)
-        crf = cfg.custom_reward_function  # validation scores as training does
-        self.score = Reward(custom_path=crf.path, custom_name=crf.name, reward_kwargs=dict(crf.reward_kwargs))
+        crf = cfg.reward.custom_reward_function  # validation scores as training does
+        self.score = Reward(
+            custom_path=crf.path,
+            custom_name=crf.name,
+            reward_kwargs=dict(crf.reward_kwargs),
+            manager=cfg.reward_manager(),
+        )
 
     @property
     def enabled(self) -> bool:

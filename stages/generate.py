@@ -47,13 +47,16 @@ class VLLMGenerate:
         gpu_memory_utilization: float = 0.9,
         enable_rollout_routing_replay: bool = False,
         routed_experts_capture: str = "auto",
+        top_k: int = -1,
+        engine_args: dict[str, Any] | None = None,
     ) -> None:
         """`pause_mode`: what a sync does to requests in flight (stages/engines/base.py's PauseMode).
         `default_agent_loop`: the loop of rows whose agent_name is null; `multi_turn`: rollout.multi_turn.
         `validation_only`: the dedicated validation engine (async_training.use_trainer_do_validate), outside the
         stream: it joins neither the clock nor the broadcast group, and the driver calls `validate_version`.
         `enable_rollout_routing_replay`: fill `routed_experts` (an MoE model), captured the `routed_experts_capture`
-        way (stages/engines/vllm_routes.py). The engine's own keywords: stages/engines/vllm.py."""
+        way (stages/engines/vllm_routes.py). `top_k`: top-k sampling (-1 off). The engine's own keywords
+        (`engine_args` among them): stages/engines/vllm.py."""
         from transformers import AutoTokenizer
 
         mode = PauseMode.of(pause_mode)
@@ -71,10 +74,11 @@ class VLLMGenerate:
                 gpu_memory_utilization=gpu_memory_utilization,
                 ignore_eos=ignore_eos,
                 routed_experts_capture=routed_experts_capture if enable_rollout_routing_replay else None,
+                engine_args=engine_args,
             )
 
         clock = None if validation_only else ClockLink(clock_name, namespace)
-        sampling = Sampling(temperature, top_p)
+        sampling = Sampling(temperature, top_p, top_k)
         self.replica = Replica(
             clock, engine, sampler, n, sampling, mode, initial_version, tokenizer, stage=type(self).__name__
         )

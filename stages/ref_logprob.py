@@ -9,8 +9,10 @@ given (ray.gpus_per_reference) in bf16, as verl's forward-only reference, else o
 computed from float32 logits either way.
 Every response token gets a value, masked (tool-result) ones too, so the column keeps the response's length; the
 consumers mask. The logits are not divided by a temperature, as the trainer computes its own logprobs, so a KL
-between the two compares like with like. Sequences go through the model `micro_batch_size` at a time, right-padded
-with an attention mask.
+between the two compares like with like. Sequences go through the model `micro_batch_size` at a time, or by a token
+budget (verl's `ref.log_prob_use_dynamic_bsz`, stages/trainer/micro_batches.py), right-padded with an attention
+mask or packed into one row (`use_remove_padding`, stages/trainer/packing.py); with `param_offload` the weights
+wait in CPU memory between calls (stages/trainer/offload.py; nothing moves on a CPU device).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import pyarrow as pa
 import torch
 
 from schemas import SAMPLE_SCHEMA, require_columns
+from stages.trainer.balance import row_tokens
+from stages.trainer.micro_batches import MicroBatching
+from stages.trainer.offload import Offload
+from stages.trainer.packing import packed_forward, use_packed_attention
 from stages.trainer.precision import compute_dtype, pick_device
 
 
@@ -29,6 +35,10 @@ class RefLogprob:
         model_dir: str,
         micro_batch_size: int = 8,
         num_threads: int = 1,
+        use_remove_padding: bool = False,
+        use_dynamic_bsz: bool = False,
+        max_token_len: int = 16384,
+        param_offload: bool = False,
         dtype: str | None = None,
         device: str | None = None,
     ) -> None:
@@ -41,23 +51,34 @@ class RefLogprob:
         weights = compute_dtype(dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=weights).to(self.device)
         self.model.eval().requires_grad_(False)
-        self.micro_batch_size = micro_batch_size
+        self.batching = MicroBatching(
+            micro_batch_size, use_dynamic_bsz, max_token_len, "ref.log_prob_max_token_len_per_gpu"
+        )
+        self.packed = use_remove_padding
+        if use_remove_padding:
+            use_packed_attention(self.model)
+        self.offload = Offload(self.model, None, self.device, params=param_offload)
         self.pad = self.model.config.pad_token_id or 0  # any id: the attention mask hides the padding
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         require_columns(batch, ["prompt_ids", "response_ids"], "RefLogprob")
         prompts = batch.column("prompt_ids").to_pylist()
         responses = batch.column("response_ids").to_pylist()
-        out: list[np.ndarray] = []
-        for lo in range(0, len(responses), self.micro_batch_size):
-            hi = lo + self.micro_batch_size
-            out += self.logprobs(prompts[lo:hi], responses[lo:hi])
+        out: list = [None] * len(responses)
+        with self.offload.active():
+            for index in self.batching.cut(row_tokens({"prompt_ids": prompts, "response_ids": responses})):
+                values = self.logprobs([prompts[i] for i in index], [responses[i] for i in index])
+                for i, row in zip(index, values, strict=True):
+                    out[i] = row
         field = SAMPLE_SCHEMA.field("ref_logprobs")
         return batch.append_column(field, pa.array(out, field.type))
 
     @torch.no_grad()
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[np.ndarray]:
         """The response tokens' logprobs of one micro-batch, one float32 array per response."""
+        if self.packed:
+            logp = packed_forward(self.model, prompts, responses, self.device).logp.cpu()
+            return [logp[i, : len(r)].numpy() for i, r in enumerate(responses)]
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)

@@ -1,15 +1,16 @@
 """Reward: score each response in worker processes, concurrently, and kill a scorer that hangs.
 
 Input columns:  sample_id, response_text, ground_truth, data_source (agent_turns and reward_sources too, when
-                present: a custom function's extra_info["num_turns"] and ["reward_scores"] come from them)
+                present: a custom function's extra_info["num_turns"] and ["reward_scores"] come from them;
+                num_tokens with the dapo manager's overlong buffer)
 Output columns: input columns + reward (float32), reward_error (string, null when scoring succeeded),
-                reward_extra_info (string: a custom function's dict keys other than `score` as a JSON object,
-                null otherwise)
+                reward_extra_info (string: a JSON object, as the reward manager makes it; null when scoring failed)
 
 What scores a sample is stages/verifiers.score_sample: the verifier of its data source, or for every sample the
-custom reward function when one is configured (verl's `custom_reward_function`). A scorer that raises, returns a
-non-number (or, for a built-in verifier, a value outside [0, 1]), or runs past `timeout_s` marks that sample
-(reward 0 and the reason in reward_error); it never fails the run.
+custom reward function when one is configured (verl's `reward.custom_reward_function`); the reward manager
+(stages/reward_manager.py, verl's `reward.reward_manager.name`) then makes its reward of the score. A scorer that
+raises, returns a non-number (or, for a built-in verifier, a value outside [0, 1]), or runs past `timeout_s` marks
+that sample (reward 0 and the reason in reward_error); it never fails the run.
 
 Why processes: a thread cannot be killed, so a hung verifier would hold its thread (and CPU) for the rest of the
 run, and math-verify's own timeouts use SIGALRM, which only a process's main thread may set. So the stage owns
@@ -40,6 +41,7 @@ import pyarrow as pa
 
 from schemas import SAMPLE_SCHEMA, require_columns
 from stages import math_verifier
+from stages.reward_manager import RewardManager
 from stages.verifiers import MATH_SOURCES, load_score_function, score_sample
 
 _NEEDS = ["sample_id", "response_text", "ground_truth", "data_source"]
@@ -69,14 +71,17 @@ class Reward:
         custom_path: str = "",
         custom_name: str = "compute_score",
         reward_kwargs: dict[str, Any] | None = None,
+        manager: RewardManager | None = None,
     ) -> None:
         """`timeout_s` bounds one sample's scoring (math-verify's own limits, 5 s per parse or comparison, come
-        first); `custom_*` and `reward_kwargs` are verl's `custom_reward_function.path`, `.name`, `.reward_kwargs`."""
+        first); `custom_*` and `reward_kwargs` are verl's `custom_reward_function.path`, `.name`, `.reward_kwargs`;
+        `manager` is verl's reward manager (naive by default)."""
         if num_workers < 1 or timeout_s <= 0:
             raise ValueError(f"Reward needs num_workers >= 1 and timeout_s > 0, got {num_workers} and {timeout_s}")
         self.timeout_s, self.num_workers = timeout_s, num_workers
         self.custom_path, self.custom_name = custom_path, custom_name
         self.reward_kwargs = dict(reward_kwargs or {})
+        self.manager = manager or RewardManager()
         self._workers: list[_Worker] = []
         self._owner_pid = -1  # the process that forked self._workers
         self._finalizer: weakref.finalize | None = None
@@ -86,12 +91,15 @@ class Reward:
         return {**self.__dict__, "_workers": [], "_owner_pid": -1, "_finalizer": None}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        require_columns(batch, _NEEDS, "Reward")
+        lengths = ["num_tokens"] if self.manager.shapes_length else []
+        require_columns(batch, _NEEDS + lengths, "Reward")
         # A custom function's extra_info: num_turns from agent_turns, reward_scores from the model sources' records.
         extra = ("agent_turns", "reward_sources")
         columns = _NEEDS + [c for c in extra if self.custom_path and c in batch.column_names]
         rows = batch.select(columns).to_pylist()
-        scores = self._score_all(rows) if rows else []
+        tokens = batch["num_tokens"].to_pylist() if lengths else [None] * len(rows)
+        raw = self._score_all(rows) if rows else []
+        scores = [self.manager.shape(*score, n) for score, n in zip(raw, tokens, strict=True)]
         rewards, errors, extras = zip(*scores, strict=True) if scores else ((), (), ())
         batch = batch.append_column(SAMPLE_SCHEMA.field("reward"), pa.array(rewards, pa.float32()))
         batch = batch.append_column(SAMPLE_SCHEMA.field("reward_error"), pa.array(errors, pa.string()))

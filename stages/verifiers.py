@@ -16,19 +16,15 @@ No torch here: the Reward stage runs on plain CPU workers.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import json
 import math
 import numbers
-import sys
 from collections.abc import Callable
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 from stages.math_verifier import score_math
+from stages.user_code import UserCodeError, load_user_module
 
 # The embedded tokenizer's EOS text; engines usually strip it, but a decode with special tokens keeps it.
 EOS_TEXTS = ("<|endoftext|>",)
@@ -100,37 +96,17 @@ class RewardFunctionError(ValueError):
 
 def load_score_function(path: str, name: str = "compute_score") -> Callable[..., Any]:
     """The function `name` of the Python file `path` (verl's forms: a path, `file://<path>`, `pkg://<module>`)."""
-    where = f"custom_reward_function.path {path!r}"
-    if path.startswith("pkg://"):
-        try:
-            module = importlib.import_module(path.removeprefix("pkg://"))
-        except Exception as err:  # noqa: BLE001 - any import failure is the user's file: one clear error
-            raise RewardFunctionError(f"{where} fails to import: {type(err).__name__}: {err}") from None
-    else:
-        file = Path(path.removeprefix("file://")).expanduser().resolve()
-        if not file.is_file():
-            raise RewardFunctionError(f"{where}: no such file. Point it at a Python file that defines {name}.")
-        module = _exec_file(file, where)
+    try:
+        module = load_user_module(path, "custom_reward_function.path")
+    except UserCodeError as err:
+        raise RewardFunctionError(str(err)) from None
     function = getattr(module, name, None)
     if not callable(function):
         raise RewardFunctionError(
-            f"{where} defines no function {name!r}: define it, or set custom_reward_function.name to the one it has."
+            f"custom_reward_function.path {path!r} defines no function {name!r}: define it, or set "
+            "custom_reward_function.name to the one it has."
         )
     return function
-
-
-@cache
-def _exec_file(file: Path, where: str) -> Any:
-    """The module of `file`, executed once per process (registered, so its dataclasses and pickles resolve)."""
-    spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(str(file)))}", file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's file: one clear error
-        del sys.modules[spec.name]
-        raise RewardFunctionError(f"{where} fails to import: {type(err).__name__}: {err}") from None
-    return module
 
 
 def check_score_signature(

@@ -22,7 +22,25 @@ def pytest_configure(config):
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
+# The folders in the order they run: the quick ones first, so that a typo surfaces in a minute, not after the
+# stream's tests; and each folder's per-test timeout (pytest-timeout), what its slowest test needs on a loaded 2-core
+# machine with room to spare. A test that needs more says so with its own @pytest.mark.timeout.
+FOLDERS = {"unit": 300, "cli": 300, "distributed": 600, "pipeline": 900, "gpu": 900}
+
+
+def _folder(item) -> str:
+    parts = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts
+    return parts[0] if len(parts) > 1 else "unit"
+
+
 def pytest_collection_modifyitems(config, items):
+    """Run the folders in FOLDERS' order (stable within one), give each test its folder's timeout, and skip the GPU
+    tests without a GPU."""
+    order = list(FOLDERS)
+    items.sort(key=lambda item: order.index(_folder(item)) if _folder(item) in order else len(order))
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FOLDERS.get(_folder(item), 900)))
     import torch
 
     if torch.cuda.is_available():

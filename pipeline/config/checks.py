@@ -4,14 +4,10 @@ after the merge."""
 
 from __future__ import annotations
 
-from pipeline.config.reward import reward_checks
-from pipeline.config.schema import (
-    ConfigError,
-    CustomRewardFunctionConfig,
-    MultiTurnConfig,
-    RunConfig,
-    monitor_names,
-)
+from pipeline.config.execution import execution_checks
+from pipeline.config.reward import CustomRewardFunctionConfig, reward_checks
+from pipeline.config.rollout import MultiTurnConfig
+from pipeline.config.schema import ConfigError, RunConfig, monitor_names
 from pipeline.config.targets import stage_kwargs
 
 VLLM_GENERATE = "stages.generate.VLLMGenerate"
@@ -76,17 +72,57 @@ def validate(cfg: RunConfig) -> None:
         + _trainer_rank_checks(cfg)
         + _fsdp_checks(cfg)
         + _reward_checks(cfg)
-        + reward_checks(cfg.reward, bool(cfg.custom_reward_function.path), cfg.rollout.score_in_engine)
+        + reward_checks(cfg.reward, bool(cfg.reward.custom_reward_function.path), cfg.rollout.score_in_engine)
         + _engine_tp_checks(cfg)
+        + _engine_checks(cfg)
+        + execution_checks(cfg)
     ):
         if not ok:
             raise ConfigError(message)
-    monitor_names(cfg.trainer.monitor)
+    _check_monitors(cfg)
     for name in ("generate", "reward", "ref_logprob"):
         stage_kwargs(getattr(cfg.stages, name), f"stages.{name}")
     if "_target_" in cfg.stages.advantage:  # else algorithm.adv_estimator names the class
         stage_kwargs(cfg.stages.advantage, "stages.advantage")
-    _check_custom_reward_function(cfg.custom_reward_function)
+    _check_custom_reward_function(cfg.reward.custom_reward_function)
+    _check_reward_manager(cfg)
+    _check_policy_loss(cfg)
+
+
+def _check_monitors(cfg: RunConfig) -> None:
+    """Each monitor named, and the package the tensorboard one writes with installed (said now, not after start)."""
+    import importlib.util
+
+    names = monitor_names(cfg.trainer.monitor)
+    if "tensorboard" in names and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "trainer.monitor (verl: trainer.logger) names tensorboard, and the tensorboard package is not installed: "
+            "pip install tensorboard, or leave it out of the list"
+        )
+    if cfg.trainer.console_interval < 1:
+        raise ConfigError(f"trainer.console_interval must be >= 1, not {cfg.trainer.console_interval}")
+
+
+def _engine_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
+    ro, d = cfg.rollout, cfg.data
+    need = d.max_prompt_length + d.max_response_length
+    return [
+        (ro.top_k == -1 or ro.top_k >= 1, f"rollout.top_k must be -1 (off) or >= 1, not {ro.top_k}"),
+        (
+            ro.val_kwargs.top_k == -1 or ro.val_kwargs.top_k >= 1,
+            f"rollout.val_kwargs.top_k must be -1 (off) or >= 1, not {ro.val_kwargs.top_k}",
+        ),
+        (
+            ro.max_model_len is None or ro.max_model_len >= need,
+            f"rollout.max_model_len={ro.max_model_len} is less than data.max_prompt_length + max_response_length = "
+            f"{need}: raise it or leave it null",
+        ),
+        (
+            ro.gpu_memory_utilization is None or 0 < ro.gpu_memory_utilization <= 1,
+            "rollout.gpu_memory_utilization must be in (0, 1]",
+        ),
+        (ro.nnodes >= 1 and ro.n_gpus_per_node >= 0, "rollout.nnodes must be >= 1 and rollout.n_gpus_per_node >= 0"),
+    ]
 
 
 def _reward_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
@@ -109,10 +145,39 @@ def _check_custom_reward_function(crf: CustomRewardFunctionConfig) -> None:
     from stages.verifiers import RewardFunctionError, check_score_signature, load_score_function
 
     if not crf.name:
-        raise ConfigError("custom_reward_function.name is empty: name the function to call (verl: compute_score).")
+        raise ConfigError(
+            "reward.custom_reward_function.name is empty: name the function to call (verl: compute_score)."
+        )
     try:
         check_score_signature(load_score_function(crf.path, crf.name), crf.name, crf.reward_kwargs, crf.path)
     except RewardFunctionError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_reward_manager(cfg: RunConfig) -> None:
+    manager = cfg.reward.reward_manager
+    if manager.module.path is not None:
+        raise ConfigError(
+            "reward.reward_manager.module.path names a reward manager class of your own (verl's source=importlib), "
+            "which is not supported: a reward.custom_reward_function can score any way you like"
+        )
+    try:
+        cfg.reward_manager()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_policy_loss(cfg: RunConfig) -> None:
+    """A loss of the user's own (actor.policy_loss.path) is loaded now, so that a missing file or name is one error
+    before anything starts (importing the registry imports torch: only when a path is given)."""
+    settings = cfg.actor.policy_loss
+    if not settings.path:
+        return
+    from stages.trainer.policy_loss import policy_loss_fn
+
+    try:
+        policy_loss_fn(settings)
+    except ValueError as err:
         raise ConfigError(str(err)) from None
 
 
@@ -164,14 +229,11 @@ def _routing_replay_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
 
 
 def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
-    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    from stages.trainer.settings import correction_mode_error
+
     recompute = cfg.async_training.compute_prox_log_prob or not cfg.async_training.use_rollout_log_probs
-    return [
-        (
-            not rc.active or recompute,
-            f"{key} compares trainer and engine logprobs: set async_training.compute_prox_log_prob=true",
-        ),
-    ]
+    error = correction_mode_error(cfg.algorithm.rollout_correction, recompute, cfg.actor.policy_loss.loss_mode)
+    return [(error is None, error or "")]
 
 
 def _fsdp_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
@@ -266,8 +328,4 @@ def _megatron_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
         (mg.tensor_model_parallel_size >= 1, f"{key}.tensor_model_parallel_size must be >= 1"),
         (mg.pipeline_model_parallel_size >= 1, f"{key}.pipeline_model_parallel_size must be >= 1"),
         (mg.export_bucket_mb >= 1, f"{key}.export_bucket_mb must be >= 1"),
-        (
-            cfg.trainer.backend != "megatron" or not cfg.algorithm.rollout_correction.active,
-            "algorithm.rollout_correction is not supported by trainer.backend=megatron: use trainer.backend=torch",
-        ),
     ]

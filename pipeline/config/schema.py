@@ -4,7 +4,8 @@ choice a `Literal`, so that omegaconf itself refuses a typo in a key or a value.
 Key names follow verl's fully_async_policy where verl has one (`async_training.*`, `actor.ppo_mini_batch_size`,
 `rollout.n`, `rollout.total_rollout_steps`, `data.max_response_length`), so a verl user's overrides work as they
 are. The trainer's objective settings are stages/trainer/settings.py's own dataclasses (one definition for the
-config and both trainer backends); the simulated workload is stages/sim/workload.py's.
+config and both trainer backends); the simulated workload is stages/sim/workload.py's; the rollout and reward
+sections are rollout.py's and reward.py's.
 
 Stages are swapped declaratively: each entry of `stages` names a class with `_target_` and its constructor
 keywords beside it. The wiring (pipeline/stream.py) unpacks this into plain constructor arguments; nothing below
@@ -13,15 +14,18 @@ pipeline/ sees the whole config.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from pipeline.config.reward import RewardConfig
+from pipeline.config.rollout import RolloutConfig
+from stages.reward_manager import OverlongBuffer, RewardManager
 from stages.sim.workload import Workload
 from stages.trainer.precision import DTypeName, MixedPrecision
-from stages.trainer.settings import CorrectionSettings, PolicySettings
+from stages.trainer.settings import CorrectionSettings, MegatronRecompute, PolicySettings
 
-MONITORS = ("mlflow", "jsonl", "null")
+MONITORS = ("console", "mlflow", "tensorboard", "file", "jsonl", "null")
 
 
 class ConfigError(ValueError):
@@ -54,7 +58,31 @@ class AsyncTrainingConfig:
     least); false holds a replica's new training requests until its share of the pass is done (verl's default)."""
 
 
-AdvEstimator = Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+# verl's registered estimators (verl/trainer/ppo/core_algos.py); stages.advantage.ESTIMATORS has the classes.
+AdvEstimator = Literal[
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "grpo_vectorized",
+    "rloo_vectorized",
+    "grpo_passk",
+    "opo",
+    "gpg",
+    "gae",
+    "remax",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
+    "gdpo",
+]
+# Those that need what the stream does not have, and what.
+REFUSED_ESTIMATORS = {
+    "gae": "a critic (a value model trained beside the actor)",
+    "remax": "a greedy baseline rollout of every prompt beside its sampled responses",
+    "optimal_token_baseline": "the trainer's sum of squared token probabilities at every response token",
+    "tir_optimal_token_baseline": "the trainer's sum of squared token probabilities at every response token",
+    "gdpo": "several reward components per sample (algorithm.gdpo_reward_keys), normalised apart",
+}
 # verl's KL estimators (stages/trainer/kl.py's KL_TYPES_ALL; written out so that loading a config imports no torch).
 KLType = Literal[
     "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"
@@ -87,8 +115,9 @@ class AlgorithmConfig:
     """verl's `algorithm.*`: the advantage estimator, the KL in the reward, rollout correction."""
 
     adv_estimator: AdvEstimator = "grpo"
-    """Advantage estimator (stages/advantage): 'grpo', 'rloo', 'reinforce_plus_plus' or
-    'reinforce_plus_plus_baseline'. An explicit `stages.advantage._target_` wins over it."""
+    """Advantage estimator (stages/advantage): 'grpo', 'rloo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline',
+    'grpo_vectorized', 'rloo_vectorized', 'grpo_passk', 'opo' or 'gpg'; verl's gae, remax, the optimal-token-baseline
+    pair and gdpo are refused naming what they need. An explicit `stages.advantage._target_` wins over it."""
     norm_adv_by_std_in_grpo: bool = True
     """grpo: divide by the group's std (false: Dr.GRPO, s - mean only)."""
     gamma: float = 1.0
@@ -104,6 +133,13 @@ class AlgorithmConfig:
     rollout_correction: CorrectionSettings = field(default_factory=CorrectionSettings)
     """verl's `algorithm.rollout_correction.*`: off-policy correction between engine and trainer."""
 
+    def __post_init__(self) -> None:
+        if self.adv_estimator in REFUSED_ESTIMATORS:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.adv_estimator} needs {REFUSED_ESTIMATORS[self.adv_estimator]}, "
+                "which asyncrl does not have: use grpo, rloo, reinforce_plus_plus(_baseline), grpo_passk, opo or gpg"
+            )
+
 
 @dataclass
 class MegatronConfig:
@@ -114,6 +150,9 @@ class MegatronConfig:
     The trainer has tensor_model_parallel_size x pipeline_model_parallel_size ranks."""
     export_bucket_mb: int = 64
     """Weights leave the trainer gathered across TP ranks in buckets of about this many MiB of local shards."""
+    override_transformer_config: MegatronRecompute = field(default_factory=MegatronRecompute)
+    """megatron-core's activation recompute (verl's `recompute_granularity`, `recompute_method`,
+    `recompute_num_layers`, `recompute_modules` under this key)."""
     dtype: Literal["bfloat16", "float32"] | None = None
     """The model's dtype (verl's key): 'bfloat16' trains bf16 parameters with megatron's fp32 main weights and fp32
     optimizer state (its distributed optimizer: a GPU only); null: bfloat16 on a GPU, float32 on CPU."""
@@ -125,6 +164,11 @@ class FSDPConfig:
     """Data-parallel ranks of trainer.backend=torch (verl's key), each an FSDP2 shard of the model training its
     token-balanced share of every mini-batch; 1 is one process without sharding; -1 (verl's 'every trainer GPU')
     is trainer.n_gpus_per_node x trainer.nnodes."""
+    param_offload: bool = False
+    """Parameters and gradients in CPU memory between steps, on the GPU only during a step (torch backend; nothing
+    moves on CPU)."""
+    optimizer_offload: bool = False
+    """AdamW's state in CPU memory between steps (torch backend; nothing moves on CPU)."""
     model_dtype: DTypeName = "fp32"
     """Dtype the weights are loaded in, updated and kept in by AdamW (verl's key): fp32 master weights by default."""
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
@@ -149,96 +193,12 @@ class ActorConfig(PolicySettings):
 
 
 @dataclass
-class ValKwargs:
-    n: int = 1
-    """Responses per held-out prompt."""
-    temperature: float = 0.0
-    """0 is greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling."""
-
-
-@dataclass
-class AgentConfig:
-    default_agent_loop: str = "single_turn_agent"
-    """Agent loop (stages/agents) of prompts whose data has no `agent_name`: 'single_turn_agent' or 'tool_agent'."""
-
-
-@dataclass
-class MultiTurnConfig:
-    max_assistant_turns: int = 4
-    """Model turns per trajectory in tool_agent."""
-    max_user_turns: int = 4
-    """Tool-result turns per trajectory in tool_agent."""
-    max_parallel_calls: int = 1
-    """Tool calls of one assistant turn that are run; later ones are dropped."""
-    max_tool_response_length: int = 256
-    """Characters of a tool's result handed back to the model (the rest is cut)."""
-    tools: list[str] = field(default_factory=lambda: ["calculator", "python"])
-    """Tools the model may call (stages/tools)."""
-    sandbox_timeout_s: float = 5.0
-    """Wall-clock limit of one python tool call."""
-    sandbox_memory_mb: int = 256
-    """Address-space limit of the python tool's process (RLIMIT_AS)."""
-    sandbox_cpu_s: int = 2
-    """CPU-time limit of the python tool's process (RLIMIT_CPU)."""
-
-
-@dataclass
-class RolloutConfig:
-    n: int = 8
-    """Responses per prompt (the GRPO group size)."""
-    total_rollout_steps: int = 1536
-    """Prompts admitted over the whole run; trainer steps = this // (require_batches * ppo_mini_batch_size)."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling."""
-    num_replicas: int = 1
-    """Generate actors, each owning one engine."""
-    tensor_model_parallel_size: int = 1
-    """Tensor-parallel ranks of each vLLM engine (verl's key): a replica's engine runs on this many devices of one
-    node (GPUs; CPU cores on CPU), and every rank joins the weight sync. Must divide the model's attention heads."""
-    prompts_per_call: int = 2
-    """Prompts per Generate call; calls_in_flight of them run concurrently in each engine."""
-    calls_in_flight: int = 4
-    """Concurrent Generate calls per replica (continuous batching depth)."""
-    engine_max_restarts: int = 3
-    """Restarts of Generate replicas the run survives, all replicas together: Ray restarts a replica whose process
-    or engine died, it loads the current weights and regenerates the prompts it had in flight. In push mode this
-    writes every pushed version to weight_sync.store too (sync/snapshot_s); 0 turns both off."""
-    score_in_engine: bool | None = None
-    """Score, log and split each block in its engine's actor (stages/scored_generate.py), not in a stage after it:
-    one hand-off between stages fewer per block, which on short steps is a good part of a step (bench.overhead).
-    None (the default): wherever it can, i.e. unless a reference model sits between generation and scoring
-    (actor.use_kl_loss, algorithm.use_kl_in_reward); true with a reference model is an error; false: never."""
-    kv_cache_gb: int = 1
-    """KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
-    test_freq: int = -1
-    """Validate on data.val_files every this many weight versions, right after the sync (-1: never)."""
-    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
-    """Sampling of validation responses."""
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    """Which agent loop generates a prompt's responses (verl's `rollout.agent`)."""
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    """tool_agent's limits and tools (verl's `rollout.multi_turn`)."""
-    enable_rollout_routing_replay: bool = False
-    """MoE models: the engines return the experts their routers chose for every token (the `routed_experts` column),
-    for the trainer to force the same routes (verl's rollout key of router replay R3)."""
-    dtype: Literal["bfloat16", "float32"] | None = None
-    """The engines' dtype (verl's key): null is bfloat16 on a GPU, float32 on CPU."""
-    routed_experts_capture: Literal["auto", "hook", "native"] = "auto"
-    """How the engines capture routes: 'native' is vLLM's enable_return_routed_experts (needs its Model Runner V2,
-    so a GPU; unverified here), 'hook' a capture function on every router in the engine worker (runs anywhere; turns
-    prefix caching off), 'auto' native on a GPU, else the hook."""
-
-
-@dataclass
 class DataConfig:
     train_files: str = "embedded"
     """Prompt file (parquet or jsonl, any fsspec URL) or 'embedded' for the built-in task."""
     max_prompt_length: int = 64
-    """Prompts longer than this (in tokens) are an input error."""
+    """Prompts longer than this (in tokens) are an input error, unless truncation or filter_overlong_prompts says
+    otherwise."""
     max_response_length: int = 48
     """max_tokens per response."""
     num_embedded_prompts: int = 2000
@@ -253,15 +213,35 @@ class DataConfig:
     """Size of the embedded held-out set (prompts that are not in its training set)."""
     seed: int = 0
     """Shuffle seed; epoch e uses seed + e."""
+    shuffle: bool = True
+    """Reshuffle the prompts each epoch; false: the file's order every epoch."""
+    prompt_key: str = "prompt"
+    """verl format: the column holding each row's chat messages."""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """A prompt longer than max_prompt_length: 'error' stops the run naming the row; 'left' keeps its last tokens,
+    'right' its first, 'middle' both ends (verl's choices)."""
+    filter_overlong_prompts: bool = False
+    """Drop the prompts longer than max_prompt_length when the file is opened (tokenizes every row up front)."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keywords of the tokenizer's chat template (e.g. a model's thinking switch), verl format only."""
 
 
 @dataclass
 class ModelConfig:
     path: str = "embedded"
     """HF model directory, or 'embedded' to build the tiny random model and tokenizer into the run directory."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Values of the model's config.json to replace, for the trainer and the engines (verl's key; e.g.
+    max_position_embeddings); the user's directory is not written (pipeline/tasks/model_overrides.py)."""
     arch: Literal["dense", "moe"] = "dense"
     """The embedded model's architecture: 'dense' (Qwen2) or 'moe' (Qwen3-MoE, 4 experts, top-2). A model directory
     says what it is in its config.json; this key does not apply to it."""
+    use_remove_padding: bool = False
+    """Pack each micro-batch's sequences into one row, attention confined to each (stages/trainer/packing.py), in
+    the trainer, its proximal recompute and the reference model, instead of right-padding them."""
+    enable_gradient_checkpointing: bool = False
+    """Activation checkpointing of the torch backend's decoder layers: the backward recomputes each layer's
+    activations from its input (trainer.backend=megatron: actor.megatron.override_transformer_config.recompute_*)."""
     warm_start_steps: int = 500
     """Supervised steps on the embedded task before RL (0 to skip); only for the embedded model."""
     warm_start_lr: float = 2e-3
@@ -283,14 +263,24 @@ class TrainerConfig:
     """Parent directory of run directories (any local path)."""
     run_name: str = ""
     """Run directory name; empty means a timestamp."""
-    monitor: Any = "mlflow"
-    """'mlflow', 'jsonl', 'null', or a list such as [mlflow,jsonl]. metrics.jsonl in the run directory is written in
-    every case (the run summary is computed from it), so 'jsonl' and 'null' both mean: no MLflow."""
+    monitor: Any = field(default_factory=lambda: ["console", "mlflow"])
+    """Where metrics go besides metrics.jsonl, which the run directory always holds (the summary is computed from it):
+    one of MONITORS or a list, verl's trainer.logger spelling too. 'console' (a line per step where stderr is not
+    a terminal), 'mlflow', 'tensorboard' (<run>/tensorboard, needs the tensorboard package), 'file' and 'jsonl' (the
+    metrics.jsonl), 'null' (nothing more)."""
     mlflow_tracking_uri: str = ""
     """MLflow tracking store: an http(s):// server, a sqlite:///path.db, ...; empty keeps a sqlite store and the
     artifacts inside the run directory (<run>/mlflow)."""
-    experiment_name: str = "asyncrl"
-    """MLflow experiment of the run (created when missing)."""
+    project_name: str = "asyncrl"
+    """MLflow experiment of the run (created when missing): verl's project (a W&B project there). verl's
+    trainer.experiment_name is the run's name: trainer.run_name."""
+    resume_mode: Literal["auto", "disable", "resume_path"] | None = None
+    """verl's resume switch: 'auto' continues trainer.run_name from its latest checkpoint when it has one and starts
+    it fresh otherwise; 'disable' never resumes; 'resume_path' (a checkpoint of your choice) is not supported.
+    null: `resume` decides."""
+    console_interval: int = 1
+    """The console monitor (trainer.monitor 'console'): where stderr is not a terminal (a Ray job's log, CI), one
+    line of the main metrics every this many steps instead of a progress bar."""
     n_gpus_per_node: int = 0
     """verl's trainer ranks per node (GPUs on a GPU cluster, processes on CPU). trainer.backend=megatron runs
     n_gpus_per_node x nnodes ranks, data-parallel size = that / (tensor x pipeline parallel size); 0 means one
@@ -361,21 +351,6 @@ class RayConfig:
     go."""
 
 
-@dataclass
-class CustomRewardFunctionConfig:
-    """verl's `custom_reward_function.*`: a user's function scores every sample instead of the built-in verifiers."""
-
-    path: str = ""
-    """Python file defining the function (also `file://<path>`, or `pkg://<module>`); empty: the built-in verifier
-    of each sample's data_source. Loaded and checked when the config loads."""
-    name: str = "compute_score"
-    """The function, called as name(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
-    **reward_kwargs); it returns a number (bool, int, float) or a dict with a 'score' key, whose other keys are
-    logged as the sample's reward_extra_info."""
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keywords of every call; they win over the ones above, as in verl."""
-
-
 def _stage(target: str) -> Any:
     # Only the target: keyword defaults live in the class, so swapping `_target_` inherits nothing stale.
     return field(default_factory=lambda: {"_target_": target})
@@ -386,7 +361,7 @@ class StagesConfig:
     generate: Any = _stage("stages.generate.VLLMGenerate")
     """Generation stage: class and its constructor keywords."""
     reward: Any = _stage("stages.reward.Reward")
-    """Reward stage (its keywords: timeout_s, num_workers; custom_reward_function is wired in)."""
+    """Reward stage (its keywords: timeout_s, num_workers; reward.* is wired in)."""
     advantage: Any = field(default_factory=dict)
     """Advantage stage: without a `_target_`, algorithm.adv_estimator's class (stages.advantage.ESTIMATORS) with
     these keywords; a `_target_` here names the class itself and wins over adv_estimator."""
@@ -395,30 +370,63 @@ class StagesConfig:
 
 
 @dataclass
+class RefFSDPConfig:
+    param_offload: bool = False
+    """The reference model's weights in CPU memory between calls, on its GPU only while it computes."""
+
+
+@dataclass
+class RefConfig:
+    """verl's `actor_rollout_ref.ref.*`: how the reference model (stages.ref_logprob.RefLogprob) cuts its batches and
+    keeps its weights."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Rows per forward pass; null: the stage's own micro_batch_size (stages.ref_logprob.micro_batch_size)."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut the passes by token count (log_prob_max_token_len_per_gpu each); null: as actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """The token budget per pass; null: actor.ppo_max_token_len_per_gpu."""
+    fsdp_config: RefFSDPConfig = field(default_factory=RefFSDPConfig)
+    """The reference model's offload."""
+
+
+@dataclass
 class RunConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
-    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
-    """verl's custom reward function (top level, as in verl)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
-    """The reward model, the remote reward service and the failure policy (pipeline/config/reward.py)."""
+    """verl's reward manager and custom reward function; the reward model, the remote service and the failure policy
+    (pipeline/config/reward.py)."""
     sim: Workload = field(default_factory=Workload)
     """The simulated workload of stages.sim.generate.SimGenerate and trainer.backend=sim (stages/sim/workload.py)."""
     resume: bool = False
     """Continue the run named by trainer.run_name from its latest checkpoint."""
+    notices: list[str] = field(default_factory=list)
+    """Written by the loader, not read from any file: the verl keys of this run accepted without effect, each with
+    why (pipeline/config/verl_keys.py); printed at start and kept in the run's config.yaml."""
 
     def uses_reference(self) -> bool:
         """Whether the stream computes reference logprobs: for the KL loss or the KL in the reward."""
         # actor.use_kl_loss belongs to the trainer's settings; read defensively so the stream does not depend on it.
         return bool(getattr(self.actor, "use_kl_loss", False)) or self.algorithm.use_kl_in_reward
+
+    def reward_manager(self) -> RewardManager:
+        """The Reward stage's manager: reward.reward_manager and reward.reward_kwargs, max_resp_len defaulting to
+        data.max_response_length."""
+        kw = self.reward.reward_kwargs
+        overlong = OverlongBuffer(**dataclasses.asdict(kw.overlong_buffer_cfg))
+        return RewardManager(
+            self.reward.reward_manager.name, overlong, kw.max_resp_len or self.data.max_response_length
+        )
 
     def scores_in_engine(self) -> bool:
         """rollout.score_in_engine resolved: on unless set false or a model (the reference, a reward model) needs a
@@ -428,8 +436,13 @@ class RunConfig:
 
 
 def monitor_names(value: Any) -> list[str]:
-    """`trainer.monitor` as a list of names: a name or a list of them, each one of MONITORS."""
+    """`trainer.monitor` (verl: trainer.logger) as a list of names: a name or a list of them, each one of MONITORS."""
     names = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
+    if "wandb" in names:
+        raise ConfigError(
+            "trainer.monitor (verl: trainer.logger) 'wandb': Weights & Biases is not supported here; use mlflow or "
+            "tensorboard (and console)"
+        )
     if not names or any(n not in MONITORS for n in names):
         raise ConfigError(f"trainer.monitor {value!r}: expected one of {', '.join(MONITORS)} or a list of them")
     return names

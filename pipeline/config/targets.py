@@ -74,3 +74,20 @@ def check_signature(cls: type, kwargs: dict[str, Any], key: str, provided: set[s
             raise ConfigError(f"config key '{key}.{name}' is not a parameter of {cls.__name__}.{hint}")
         if name in provided:
             raise ConfigError(f"config key '{key}.{name}' is set by the wiring from the top-level config.")
+
+
+def advantage_wiring(cfg, cls: type) -> dict[str, Any]:
+    """What the stream gives an advantage stage of class `cls` from the top-level config (a RunConfig, or a run's
+    config.yaml as read back by the audit): the group size to every estimator, the KL settings when the reward pays a
+    KL, GRPO its std switch, REINFORCE++ its discount."""
+    from stages.advantage import GRPOAdvantage, ReinforcePlusPlusAdvantage  # here: loading a config imports no stage
+
+    alg = cfg.algorithm
+    wiring: dict[str, Any] = {"group_size": cfg.rollout.n}
+    if alg.use_kl_in_reward:
+        wiring |= {"kl_in_reward": True, "kl_coef": alg.kl_ctrl.kl_coef, "kl_penalty": alg.kl_penalty}
+    if issubclass(cls, GRPOAdvantage):
+        wiring["norm_by_std"] = alg.norm_adv_by_std_in_grpo
+    if issubclass(cls, ReinforcePlusPlusAdvantage):
+        wiring["gamma"] = alg.gamma
+    return wiring

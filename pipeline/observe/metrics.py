@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import numpy as np
@@ -52,6 +54,20 @@ def reward_kl_metrics(table, kl_coef: float) -> dict[str, float]:
     return {"actor/reward_kl_penalty": float(np.mean(values)), "actor/reward_kl_penalty_coeff": float(kl_coef)}
 
 
+def reward_extra_metrics(table) -> dict[str, float]:
+    """The mean over the step's samples of each number (or bool) in their reward_extra_info: the reward manager's
+    `acc`, the dapo manager's `overlong` (the share that paid) and `overlong_reward`, a custom function's own keys;
+    `reward_extra/<key>/mean`, each over the samples that have the key."""
+    if "reward_extra_info" not in table.column_names:
+        return {}
+    values: dict[str, list[float]] = {}
+    for text in table["reward_extra_info"].to_pylist():
+        for key, value in (json.loads(text) if text else {}).items():
+            if isinstance(value, bool | int | float) and math.isfinite(value):
+                values.setdefault(key, []).append(float(value))
+    return {f"reward_extra/{key}/mean": float(np.mean(v)) for key, v in sorted(values.items())}
+
+
 def step_metrics(
     batch, version: int, clock_stats: dict[str, Any], train_s: float, kl_coef: float = 0.0
 ) -> dict[str, float]:
@@ -60,6 +76,7 @@ def step_metrics(
     lengths = np.asarray(table["num_tokens"].to_pylist())
     return (
         reward_kl_metrics(table, kl_coef)
+        | reward_extra_metrics(table)
         | reward_source_metrics(table)
         | {
             "reward/mean": trained_reward_mean(table),

@@ -1,7 +1,8 @@
 """Monitors: where the driver sends metrics. Stages never log; they emit measurement columns.
 
 `Monitor` is the swap point. `metrics.jsonl` in the run directory is written in every case: it is the run's own
-record, which the summary is computed from, like the sample logs. `trainer.monitor` adds MLflow (the default).
+record, which the summary is computed from, like the sample logs. `trainer.monitor` (verl: trainer.logger) adds the
+console (a line per step in logs), MLflow (both the default) and TensorBoard.
 
 MLflow gets, per run: the flattened resolved config as params, every step's metrics (one `log_batch` per step),
 `config.yaml` at the start and `summary.json` and `audit.txt` at the end as artifacts, and tags naming the run
@@ -170,6 +171,56 @@ class MlflowMonitor:
                 )
 
 
+class ConsoleMonitor:
+    """verl's console logger, made for logs: where stderr is not a terminal (a Ray job's log, CI) the driver's progress
+    bar is off (pipeline/run.py) and this writes one line of the main metrics every `interval` steps; on a terminal
+    the bar shows progress and this stays quiet."""
+
+    KEYS = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "staleness/max_lag")
+
+    def __init__(self, total_steps: int, interval: int = 1, stream=None) -> None:
+        self.total, self.interval, self.stream = total_steps, interval, stream or sys.stderr
+        self.quiet = self.stream.isatty()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.quiet or (step % self.interval and step != self.total):
+            return
+        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in self.KEYS if k in metrics)
+        elapsed = metrics.get("timing/elapsed_s")
+        clock = f" elapsed={elapsed:.0f}s" if elapsed is not None else ""
+        print(f"asyncrl: step {step}/{self.total} {shown}{clock}", file=self.stream, flush=True)
+
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        pass
+
+    def close(self, status: RunStatus) -> None:
+        pass
+
+
+class TensorBoardMonitor:
+    """Every step's metrics as TensorBoard scalars in `log_dir` (torch's SummaryWriter; the tensorboard package)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, float(value), step)
+        self.writer.flush()
+
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        pass
+
+    def close(self, status: RunStatus) -> None:
+        self.writer.close()
+
+
+def _prompts_per_step(cfg: RunConfig) -> int:
+    return cfg.async_training.require_batches * cfg.actor.ppo_mini_batch_size
+
+
 class Monitors:
     """Fan-out to several monitors, in order."""
 
@@ -233,13 +284,19 @@ def run_tags(run_dir: Path) -> dict[str, str]:
 
 
 def make_monitor(cfg: RunConfig, run_dir: Path) -> Monitor:
-    """metrics.jsonl always; MLflow too when `trainer.monitor` names it (checked here, before any model or Ray)."""
+    """metrics.jsonl always; the console, TensorBoard and MLflow too when `trainer.monitor` names them (MLflow's
+    store checked here, before any model or Ray)."""
     t = cfg.trainer
+    names = monitor_names(t.monitor)
     monitors: list[Monitor] = []
-    if "mlflow" in monitor_names(t.monitor):
+    if "console" in names:
+        monitors.append(ConsoleMonitor(cfg.rollout.total_rollout_steps // _prompts_per_step(cfg), t.console_interval))
+    if "tensorboard" in names:
+        monitors.append(TensorBoardMonitor(Path(run_dir) / "tensorboard"))
+    if "mlflow" in names:
         params = flatten(OmegaConf.to_container(OmegaConf.structured(cfg)))
         uri = resolve_tracking_uri(t.mlflow_tracking_uri, run_dir)
-        mlflow = MlflowMonitor(uri, t.experiment_name, Path(run_dir).name, params, run_tags(run_dir))
+        mlflow = MlflowMonitor(uri, t.project_name, Path(run_dir).name, params, run_tags(run_dir))
         mlflow.log_artifacts([Path(run_dir) / "config.yaml"])
         monitors.append(mlflow)
     return Monitors([JsonlMonitor(run_dir), *monitors])

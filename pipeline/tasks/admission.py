@@ -44,6 +44,7 @@ class AdmissionOrder:
     total: int  # admissions laid out before `skip` is taken away: rollout.total_rollout_steps
     seed: int
     skip: frozenset[str] = frozenset()
+    shuffle: bool = True  # false: every epoch in the file's order (verl's data.shuffle)
     _skipped: dict[int, np.ndarray] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -59,7 +60,8 @@ class AdmissionOrder:
         """(epoch, its rows in admission order), each epoch's shuffle drawn when it is reached."""
         laid_out, epoch = 0, 0
         while laid_out < self.total:
-            order = np.random.default_rng(self.seed + epoch).permutation(self.num_rows)[: self.total - laid_out]
+            rows = np.random.default_rng(self.seed + epoch).permutation(self.num_rows) if self.shuffle else None
+            order = (rows if rows is not None else np.arange(self.num_rows))[: self.total - laid_out]
             laid_out += len(order)
             if epoch in self._skipped:
                 order = order[~np.isin(order, self._skipped[epoch])]

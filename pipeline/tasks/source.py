@@ -17,6 +17,12 @@ Two formats are read as they are, told apart by their columns:
   `extra_info` and any other column are ignored (and not kept in memory). The messages are rendered as verl renders
   them, with the model's chat template and its generation prompt.
 
+verl's data keys shape the reading (`PromptOptions`): `data.prompt_key` names the messages column of the verl format,
+`data.apply_chat_template_kwargs` go to the chat template, `data.truncation` cuts a prompt longer than
+data.max_prompt_length ('left' keeps its end, 'right' its start, 'middle' both ends) instead of refusing it ('error'),
+and `data.filter_overlong_prompts` drops such prompts when the file is opened, as verl's dataset does (this tokenizes
+every row up front).
+
 Either format may have an `agent_name` column (verl's name for it) choosing the agent loop of each row
 (stages/agents); where it is missing or null, `rollout.agent.default_agent_loop` applies. A file with `prompt_text`
 is read as flat even if it also has `prompt`. Either way prompts are tokenized without
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import math
 import reprlib
+from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
@@ -126,10 +133,34 @@ def _flat_row(row: dict[str, Any], where: str) -> dict[str, str]:
     return checked
 
 
-def render_prompt(messages: list[dict[str, str]], tokenizer) -> str:
-    """The prompt text the model sees: its chat template with the generation prompt, when it has one."""
+@dataclass(frozen=True)
+class PromptOptions:
+    """verl's data keys that shape how prompts are read (see the module docstring)."""
+
+    prompt_key: str = "prompt"
+    truncation: str = "error"  # 'error', 'left', 'right' or 'middle'
+    filter_overlong: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def truncate(tokens: list[int], limit: int, how: str) -> list[int]:
+    """verl's truncation of a prompt longer than `limit` tokens: 'left' keeps the last `limit`, 'right' the first,
+    'middle' the first limit // 2 and the last limit - limit // 2."""
+    if len(tokens) <= limit or how == "error":
+        return tokens
+    if how == "left":
+        return tokens[-limit:]
+    if how == "right":
+        return tokens[:limit]
+    head = limit // 2
+    return tokens[:head] + tokens[len(tokens) - (limit - head) :]
+
+
+def render_prompt(messages: list[dict[str, str]], tokenizer, **template_kwargs: Any) -> str:
+    """The prompt text the model sees: its chat template with the generation prompt, when it has one
+    (`template_kwargs`: data.apply_chat_template_kwargs, e.g. a template's thinking switch)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
     # No chat template (a base model, or the embedded tokenizer): there is no role markup to apply, so the model
     # sees the message contents alone, one message per line.
     return "\n".join(m["content"] for m in messages)
@@ -151,7 +182,7 @@ def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
-def _verl_row(row: dict[str, Any], where: str, tokenizer) -> dict[str, str]:
+def _verl_row(row: dict[str, Any], where: str, tokenizer, template_kwargs: dict[str, Any]) -> dict[str, str]:
     messages = _messages(row["prompt"], where)
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
@@ -166,7 +197,7 @@ def _verl_row(row: dict[str, Any], where: str, tokenizer) -> dict[str, str]:
             f"got {_short(reward_model['ground_truth'])}. Fix or drop that row."
         )
     try:
-        text = render_prompt(messages, tokenizer)
+        text = render_prompt(messages, tokenizer, **template_kwargs)
     except Exception as err:  # noqa: BLE001 - a template's own checks (e.g. role order) reject bad input too
         raise PromptDataError(
             f"{where}: column 'prompt' cannot be rendered with the model's chat template "
@@ -187,8 +218,16 @@ class PromptFile:
     `table` keeps the file's own columns: the required ones of its format and `agent_name` when present.
     """
 
-    def __init__(self, path: str, tokenizer, max_prompt_length: int, default_agent_loop: str) -> None:
-        table = read_prompt_file(path)
+    def __init__(
+        self,
+        path: str,
+        tokenizer,
+        max_prompt_length: int,
+        default_agent_loop: str,
+        options: PromptOptions | None = None,
+    ) -> None:
+        self.options = options or PromptOptions()
+        table = _with_prompt_key(read_prompt_file(path), self.options.prompt_key, path)
         self.required = _required_columns(table, path)
         if table.num_rows == 0:
             raise PromptDataError(f"data file {path} has no rows.")
@@ -199,6 +238,7 @@ class PromptFile:
         self.path, self.tokenizer = path, tokenizer
         self.max_prompt_length, self.default_agent_loop = max_prompt_length, default_agent_loop
         self._check_agent_names()
+        self.filtered = self._filter_overlong() if self.options.filter_overlong else 0
 
     @property
     def num_rows(self) -> int:
@@ -221,11 +261,15 @@ class PromptFile:
         ids = []
         for i, row in zip(rows.tolist(), checked, strict=True):
             tokens = self.tokenizer(row["prompt_text"], add_special_tokens=False)["input_ids"]
-            if len(tokens) > self.max_prompt_length:
+            if len(tokens) > self.max_prompt_length and self.options.truncation == "error":
                 raise PromptDataError(
                     f"data file {self.path}, row {i}: prompt has {len(tokens)} tokens, more than "
-                    f"data.max_prompt_length={self.max_prompt_length}. Raise the limit or shorten it."
+                    f"data.max_prompt_length={self.max_prompt_length}. Raise the limit, shorten it, or set "
+                    "data.truncation (left, right, middle) or data.filter_overlong_prompts=true."
                 )
+            if len(tokens) > self.max_prompt_length:
+                tokens = truncate(tokens, self.max_prompt_length, self.options.truncation)
+                row["prompt_text"] = self.tokenizer.decode(tokens)  # the text of what the model is fed
             ids.append(tokens)
         return pa.table(
             {
@@ -242,10 +286,26 @@ class PromptFile:
         out = []
         for i, row in zip(rows.tolist(), values, strict=True):
             where = f"data file {self.path}, row {i}"
-            out.append(
-                _verl_row(row, where, self.tokenizer) if self.required == VERL_REQUIRED else _flat_row(row, where)
-            )
+            if self.required == VERL_REQUIRED:
+                out.append(_verl_row(row, where, self.tokenizer, self.options.chat_template_kwargs))
+            else:
+                out.append(_flat_row(row, where))
         return out
+
+    def _filter_overlong(self) -> int:
+        """verl's filter_overlong_prompts: every row tokenized now, those longer than data.max_prompt_length
+        dropped from the file's rows (so a row's number is its place among the kept ones). Returns how many."""
+        rows = np.arange(self.num_rows)
+        texts = [r["prompt_text"] for r in self._rule_checked(rows)]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        keep = np.flatnonzero(np.asarray(lengths) <= self.max_prompt_length)
+        if len(keep) == 0:
+            raise PromptDataError(
+                f"data file {self.path}: every prompt is longer than data.max_prompt_length={self.max_prompt_length}"
+                ", so data.filter_overlong_prompts leaves none. Raise the limit."
+            )
+        self.table = self.table.take(pa.array(keep, pa.int64())).combine_chunks()
+        return len(rows) - len(keep)
 
     def _agent_names(self, rows: np.ndarray) -> list[str]:
         if "agent_name" not in self.table.column_names:
@@ -269,6 +329,19 @@ class PromptFile:
             )
         except UnknownAgentError as err:
             raise PromptDataError(str(err)) from None
+
+
+def _with_prompt_key(table: pa.Table, key: str, path: str) -> pa.Table:
+    """The verl format's messages column under its usual name, `prompt`, when data.prompt_key names another."""
+    if key == "prompt":
+        return table
+    if key not in table.column_names:
+        raise PromptDataError(
+            f"data file {path} has no column data.prompt_key={key!r}; it has {table.column_names}. Set "
+            "data.prompt_key to the column of chat messages."
+        )
+    kept = [c for c in table.column_names if c != "prompt"]
+    return table.select(kept).rename_columns(["prompt" if c == key else c for c in kept])
 
 
 def _first_row(column: pa.ChunkedArray, value: Any) -> int:
@@ -315,10 +388,14 @@ def _flags(mask: pa.ChunkedArray) -> np.ndarray:
 
 
 def load_prompts(
-    path: str, tokenizer, max_prompt_length: int, default_agent_loop: str = "single_turn_agent"
+    path: str,
+    tokenizer,
+    max_prompt_length: int,
+    default_agent_loop: str = "single_turn_agent",
+    options: PromptOptions | None = None,
 ) -> pa.Table:
     """Every row validated and tokenized at once (held-out prompts, tests): prompt_text, prompt_ids, ground_truth,
     data_source, agent_name, row."""
-    prompts = PromptFile(path, tokenizer, max_prompt_length, default_agent_loop)
+    prompts = PromptFile(path, tokenizer, max_prompt_length, default_agent_loop, options)
     rows = np.arange(prompts.num_rows)
     return prompts.checked(rows).append_column("row", pa.array(rows, pa.int64()))

@@ -7,19 +7,33 @@ share: the token-level rewards, the KL in the reward, the groups, the output col
 | rloo                          | RLOOAdvantage (rloo.py)             | group                                   |
 | reinforce_plus_plus           | ReinforcePlusPlusAdvantage          | token returns, whitened over the step   |
 | reinforce_plus_plus_baseline  | ReinforcePlusPlusBaselineAdvantage  | group baseline, whitened over the step  |
+| grpo_vectorized               | GRPOAdvantage (verl's same formula) | group                                   |
+| rloo_vectorized               | RLOOVectorizedAdvantage             | group (a group of one: 0)               |
+| grpo_passk                    | GRPOPassKAdvantage                  | group (its best response)               |
+| opo                           | OPOAdvantage                        | group (length-weighted baseline)        |
+| gpg                           | GPGAdvantage                        | group, scaled over the step             |
+
+verl's other estimators need what the stream does not have (REFUSED_ESTIMATORS says what): a critic (gae), a greedy
+baseline rollout (remax), the trainer's sum of squared token probabilities (the optimal-token-baseline pair), several
+reward components per sample (gdpo).
 
 The wiring picks the class from ESTIMATORS unless the config names one with `stages.advantage._target_` (a user's
 own estimator wins over `algorithm.adv_estimator`). A class with `whiten_over_step = True` has the training sink
-whiten the step's table with whiten_step before it splits it into mini-batches.
+whiten the step's table with whiten_step before it splits it into mini-batches; one with an `over_step` function has
+the sink apply that instead.
 """
 
 from __future__ import annotations
 
 from stages.advantage.base import AdvantageStage, OutcomeAdvantage
+from stages.advantage.gpg import GPGAdvantage
 from stages.advantage.grpo import GRPOAdvantage
+from stages.advantage.grpo_passk import GRPOPassKAdvantage
+from stages.advantage.opo import OPOAdvantage
 from stages.advantage.reinforce_pp import ReinforcePlusPlusAdvantage
 from stages.advantage.reinforce_pp_baseline import ReinforcePlusPlusBaselineAdvantage
 from stages.advantage.rloo import RLOOAdvantage
+from stages.advantage.rloo_vectorized import RLOOVectorizedAdvantage
 from stages.advantage.whiten import whiten_step
 
 ESTIMATORS = {
@@ -27,14 +41,23 @@ ESTIMATORS = {
     "rloo": "stages.advantage.RLOOAdvantage",
     "reinforce_plus_plus": "stages.advantage.ReinforcePlusPlusAdvantage",
     "reinforce_plus_plus_baseline": "stages.advantage.ReinforcePlusPlusBaselineAdvantage",
+    "grpo_vectorized": "stages.advantage.GRPOAdvantage",
+    "rloo_vectorized": "stages.advantage.RLOOVectorizedAdvantage",
+    "grpo_passk": "stages.advantage.GRPOPassKAdvantage",
+    "opo": "stages.advantage.OPOAdvantage",
+    "gpg": "stages.advantage.GPGAdvantage",
 }
 
 __all__ = [
     "ESTIMATORS",
     "AdvantageStage",
+    "GPGAdvantage",
     "GRPOAdvantage",
+    "GRPOPassKAdvantage",
+    "OPOAdvantage",
     "OutcomeAdvantage",
     "RLOOAdvantage",
+    "RLOOVectorizedAdvantage",
     "ReinforcePlusPlusAdvantage",
     "ReinforcePlusPlusBaselineAdvantage",
     "whiten_step",

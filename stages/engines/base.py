@@ -48,6 +48,7 @@ class PauseMode(enum.StrEnum):
 class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # -1: off (vLLM's spelling)
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,15 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.9,
         ignore_eos: bool = False,
         routed_experts_capture: str | None = None,
+        engine_args: dict[str, Any] | None = None,
     ) -> None:
         """`gpu_memory_utilization`: vLLM's share of its GPU (weights and KV cache); unused on CPU, where
         `kv_cache_gb` sizes the cache. `tensor_parallel_size`: the engine's TP ranks, one worker process each (on the
         GPUs Ray gave this actor; on CPU, on the cores `cpu_binding` gives them). `ignore_eos`: fixed-length
         responses, for benchmarks and tests. `dtype`: the engine's (rollout.dtype); None: bfloat16 on a GPU, float32 on
         CPU. `routed_experts_capture`: capture MoE routes that way (vllm_routes.py);
-        None: no capture."""
+        None: no capture. `engine_args`: more of vLLM's AsyncEngineArgs (rollout.engine_args(): eager mode, chunked
+        prefill, batch limits, engine_kwargs.vllm); None: eager mode only. Route capture's own needs win over them."""
         self.eos = eos_token_id(model_dir)
         self.ignore_eos = ignore_eos
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
@@ -64,6 +66,7 @@ class VLLMEngine:
         self.kwargs |= parallel_args(tensor_parallel_size, gpu)
         if gpu:
             self.kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.kwargs |= engine_args or {"enforce_eager": True}
         self.route_capture = None if routed_experts_capture is None else make_route_capture(routed_experts_capture, gpu)
         if self.route_capture is not None:
             self.kwargs |= self.route_capture.engine_args()
@@ -75,7 +78,6 @@ class VLLMEngine:
 
         args = AsyncEngineArgs(
             skip_tokenizer_init=True,  # token ids in, token ids out: the replica decodes with its own tokenizer
-            enforce_eager=True,
             worker_extension_cls="stages.engines.vllm_worker.EngineWorker",
             **self.kwargs,
         )
@@ -96,6 +98,7 @@ class VLLMEngine:
             max_tokens=max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            top_k=sampling.top_k,
             logprobs=0,  # the sampled token's logprob: the behaviour policy
             stop_token_ids=[] if self.ignore_eos else [self.eos],  # the engine has no tokenizer: tell it EOS
             output_kind=RequestOutputKind.DELTA,

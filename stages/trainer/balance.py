@@ -10,6 +10,10 @@ other, until one partition is left. Each merge joins one part of each, so every 
 Unlike verl, the row count need not divide by k: the rows are padded with zero-token placeholders up to a multiple
 of k, which are dropped afterwards, so the parts' row counts differ by at most one. Every row lands in exactly one
 part; each part lists its rows in their original order.
+
+With `equal_size=False` (verl's micro-batch cutting, stages/trainer/micro_batches.py) every row starts as its own
+partial partition, one part holding it and k - 1 empty, so the parts' row counts are free and only their sums are
+balanced.
 """
 
 from __future__ import annotations
@@ -18,17 +22,18 @@ import heapq
 import itertools
 
 
-def balanced_partitions(tokens: list[int], k: int) -> list[list[int]]:
-    """Row indices of each of `k` parts of rows with these token counts: the parts' token sums as even as the
-    differencing method makes them, their row counts within one of each other."""
+def balanced_partitions(tokens: list[int], k: int, equal_size: bool = True) -> list[list[int]]:
+    """Row indices of each of `k` parts of rows with these token counts (or any other cost): the parts' sums as even
+    as the differencing method makes them; with `equal_size` their row counts within one of each other."""
     if k < 1:
         raise ValueError(f"cannot split rows into {k} parts: need k >= 1")
-    padded = list(tokens) + [0] * (-len(tokens) % k)  # placeholders: index >= len(tokens), dropped at the end
+    padded = list(tokens) + [0] * (-len(tokens) % k if equal_size else 0)  # placeholders, dropped at the end
     order = sorted(range(len(padded)), key=lambda i: (padded[i], i))
     tie = itertools.count()  # heap entries never compare their partitions
     heap = []
-    for lo in range(0, len(order), k):
-        parts = [(padded[i], [i]) for i in order[lo : lo + k]]
+    for lo in range(0, len(order), k if equal_size else 1):
+        parts = [(padded[i], [i]) for i in order[lo : lo + (k if equal_size else 1)]]
+        parts += [(0, []) for _ in range(k - len(parts))]
         heapq.heappush(heap, _entry(parts, tie))
     while len(heap) > 1:
         a, b = heapq.heappop(heap)[2], heapq.heappop(heap)[2]

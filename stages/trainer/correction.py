@@ -11,7 +11,9 @@ log mu. verl does that once per training batch on the driver, so `correct_step` 
 mini-batch together): batch normalisation, the metrics and hence the result do not depend on how the step is cut
 into mini-batches.
 - IS (`rollout_is`): token weights rho_t, or sequence weights prod_t rho_t on every token; truncated from above at
-  `rollout_is_threshold` (TIS: nothing is zeroed, small weights stay), detached, optionally divided by their mean.
+  `rollout_is_threshold` (TIS: nothing is zeroed, small weights stay), or with a 'lo_hi' threshold zeroed outside
+  [lo, hi] (IcePop); detached, optionally divided by their mean. Their statistics are verl's: of the applied
+  weights (after truncation; population std), the threshold fractions of the weights before it.
 - Rejection (`rollout_rs`, see CorrectionSettings): per-token divergences k1 = -log rho, k2 = (log rho)^2 / 2,
   k3 = rho - 1 - log rho, taken per token or per response (sum, mean, max); rejected tokens leave the mask, their
   IS weights are untouched.
@@ -64,6 +66,31 @@ def correct_step(
     masks = [new_mask[i, :n].numpy().astype(np.float32) for i, n in enumerate(lengths)]
     rows = None if weights is None else [weights[i, :n].numpy().astype(np.float32) for i, n in enumerate(lengths)]
     return StepCorrection(masks, rows, metrics)
+
+
+def correct_minibatches(
+    minibatches: list, anchors: list, settings: CorrectionSettings
+) -> tuple[list, dict[str, float]]:
+    """The whole step corrected at once, as verl corrects a training batch; then each mini-batch's share: its
+    rejection-masked token masks and (B, T) IS weights, right-padded (None without `rollout_is`)."""
+    step = correct_step(
+        [row for anchor in anchors for row in anchor],
+        [row for mb in minibatches for row in mb["response_logprobs"]],
+        [row for mb in minibatches for row in mb["response_mask"]],
+        settings,
+    )
+    shares, start = [], 0
+    for mb in minibatches:
+        share = slice(start, start + len(mb["response_ids"]))
+        w = None if step.weights is None else step.weights[share]
+        if w is not None:
+            padded = torch.zeros(len(w), max(map(len, w), default=0))
+            for i, row in enumerate(w):
+                padded[i, : len(row)] = torch.as_tensor(row)
+            w = padded
+        shares.append((step.masks[share], w))
+        start = share.stop
+    return shares, step.metrics
 
 
 def correct(
@@ -121,17 +148,24 @@ def _clamped_std(x: torch.Tensor, m: torch.Tensor, lo: float, hi: float) -> floa
 def is_weights(
     log_ratio: torch.Tensor, mask: torch.Tensor, settings: CorrectionSettings
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated (and optionally batch-normalised) IS weights; the metrics describe them before truncation."""
-    thr = settings.rollout_is_threshold
+    """The applied IS weights (truncated, or IcePop-zeroed with a 'lo_hi' threshold; optionally batch-normalised)
+    and verl's metrics of them."""
+    lo, hi = settings.is_bounds()
     if settings.rollout_is == "token":
         log_w = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
         unit_log = None
     else:
         unit_log = _msum(log_ratio, mask, -1)  # (B,) log prod_t rho_t, fully masked rows 0
         log_w = unit_log.clamp(-SAFETY_BOUND, SAFETY_BOUND)[:, None].expand_as(log_ratio)
-    w = torch.exp(log_w) * mask
-    metrics = _is_metrics(w, unit_log, mask, thr)
-    w = w.clamp(max=thr).detach()
+    raw = torch.exp(log_w) * mask
+    if lo is None:  # TIS: truncated from above, nothing zeroed
+        w = raw.clamp(max=hi)
+    else:  # IcePop: weights outside [lo, hi] become 0
+        w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
+    metrics = _is_metrics(w, raw, unit_log, mask, lo, hi)
+    if lo is not None:
+        metrics["rollout_is_oob_ratio"] = float(_mmean(((raw < lo) | (raw > hi)).to(raw.dtype), mask))
+    w = w.detach()
     if settings.rollout_is_batch_normalize:
         if settings.rollout_is == "token":
             mean = _mmean(w, mask)
@@ -144,39 +178,43 @@ def is_weights(
     return w, metrics
 
 
-def _is_metrics(w: torch.Tensor, seq_log: torch.Tensor | None, mask: torch.Tensor, thr: float) -> dict[str, float]:
-    """verl's IS metrics: `w` untruncated, safety-clamped and masked; `seq_log` the (B,) log weights of sequence IS,
-    whose max/min/fractions run over all B rows (a fully masked row counts as weight 1)."""
-    lo = 1.0 / thr
+def _is_metrics(
+    w: torch.Tensor, raw: torch.Tensor, seq_log: torch.Tensor | None, mask: torch.Tensor, lo: float | None, hi: float
+) -> dict[str, float]:
+    """verl's IS metrics (compute_is_metrics): `w` the applied weights (after truncation or IcePop), `raw` the
+    masked weights before it, `seq_log` the (B,) unclamped log weights of sequence IS, whose max/min/fractions run
+    over all B rows (a fully masked row counts as weight 1). Mean, std (population), ESS and the per-response
+    statistics describe the applied weights; the threshold fractions the raw ones."""
+    lower = 1.0 / hi if lo is None else lo
     out = {"rollout_is_mean": float(_mmean(w, mask))}
     if seq_log is None:
         out |= {
-            "rollout_is_ratio_fraction_high": float(_mmean((w > thr).to(w.dtype), mask)),
-            "rollout_is_ratio_fraction_low": float(_mmean((w < lo).to(w.dtype), mask)),
+            "rollout_is_ratio_fraction_high": float(_mmean((raw > hi).to(w.dtype), mask)),
+            "rollout_is_ratio_fraction_low": float(_mmean((raw < lower).to(w.dtype), mask)),
             "rollout_is_max": _masked_max(w, mask),
             "rollout_is_min": _masked_min(w, mask),
         }
     else:
         out |= {
-            "rollout_is_ratio_fraction_high": float((seq_log > math.log(thr)).double().mean()),
-            "rollout_is_ratio_fraction_low": float((seq_log < math.log(lo)).double().mean()),
+            "rollout_is_ratio_fraction_high": float((seq_log > math.log(hi)).double().mean()),
+            "rollout_is_ratio_fraction_low": float((seq_log < math.log(lower)).double().mean()),
             "rollout_is_max": math.exp(min(float(seq_log.max()), SAFETY_BOUND)),
             "rollout_is_min": math.exp(float(seq_log.min())),
         }
-    clamped = w.clamp(min=lo, max=thr)
-    out["rollout_is_std"] = _clamped_std(w, mask, lo, thr)
-    normalised = clamped / (_mmean(clamped, mask) + EPS)
-    # (0, 1] by Cauchy-Schwarz; verl's EPS guards alone lift equal weights ~1e-8 above it, min() removes that
-    out["rollout_is_eff_sample_size"] = min(1.0, 1.0 / float(_mmean(normalised**2, mask)))
-    q = _mmean(w, mask, -1)  # (B,) per-response mean weight, 0 for a fully masked row
+    bounded = w.clamp(min=0.0, max=hi)
+    mean = _mmean(bounded, mask)
+    variance = float(_mmean(bounded * bounded, mask) - mean**2)
+    out["rollout_is_std"] = math.sqrt(max(0.0, variance)) if float(mask.sum()) > 1 else 0.0
+    out["rollout_is_eff_sample_size"] = 1.0 / float(_mmean((bounded / (mean + EPS)) ** 2, mask))
+    q, q_raw = _mmean(w, mask, -1), _mmean(raw, mask, -1)  # (B,) per-response mean weight, 0 for a masked row
     out |= {
         "rollout_is_seq_mean": float(q.mean()),
         "rollout_is_seq_std": _std(q),
         "rollout_is_seq_max": float(q.max()),
         "rollout_is_seq_min": float(q.min()),
         "rollout_is_seq_max_deviation": float((q - 1.0).abs().max()),
-        "rollout_is_seq_fraction_high": float((q > thr).double().mean()),
-        "rollout_is_seq_fraction_low": float((q < lo).double().mean()),
+        "rollout_is_seq_fraction_high": float((q_raw > hi).double().mean()),
+        "rollout_is_seq_fraction_low": float((q_raw < lower).double().mean()),
     }
     return out
 

@@ -22,7 +22,6 @@ on a multi-node cluster they must be where every trainer node sees them (as for 
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -31,12 +30,14 @@ import torch
 
 from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
+from stages.trainer.correction import correct_minibatches
 from stages.trainer.fsdp import DPRank, Share
+from stages.trainer.micro_batches import MicroBatching, common_passes
 from stages.trainer.precision import MixedPrecision
 from stages.trainer.ranks import RankPlacement, free_port
-from stages.trainer.settings import CorrectionSettings, PolicySettings
+from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
-from stages.trainer.torch_backend import TorchTrainer, copy_side_files, correct_minibatches, upload
+from stages.trainer.torch_backend import TorchTrainer, copy_side_files, upload
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta
 
@@ -59,6 +60,7 @@ class FSDPTrainer(SendsWeights):
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
         rank_placement: RankPlacement | None = None,
+        execution: ExecutionSettings | None = None,
     ) -> None:
         """TorchTrainer's arguments (each rank computes on the GPU Ray gives it, else on the CPU), and `fsdp_size`
         ranks; `gpus_per_rank`, `rank_resources`: what each peer asks Ray for (a share of the trainer nodes' custom
@@ -77,6 +79,7 @@ class FSDPTrainer(SendsWeights):
             seed=seed,
             torch_threads=torch_threads,
             optimizer_state=optimizer_state,
+            execution=execution,
             model_dtype=model_dtype,
             mixed_precision=mixed_precision,
         )
@@ -123,7 +126,7 @@ class FSDPTrainer(SendsWeights):
         for rows, part, anchor, (masks, weights) in zip(minibatches, parts, anchors, corrections, strict=True):
             # Checked and counted over the whole mini-batch here, before any rank starts a collective.
             counts = Minibatch.of(rows, self.policy, anchor, masks, weights).counts
-            passes = self._passes(part)
+            passes = self._passes(rows, part, self.policy.batching)
             for r, index in enumerate(part):
                 plans[r].append(
                     Share(
@@ -141,16 +144,20 @@ class FSDPTrainer(SendsWeights):
         totals[0].started = start
         return correction_metrics | totals[0].metrics()
 
-    def _passes(self, part: list[list[int]]) -> int:
-        """Micro-batches of the longest share: the forward/backward passes every rank runs for a mini-batch."""
-        return max(math.ceil(len(index) / self.policy.micro_batch_size) for index in part)
+    @staticmethod
+    def _passes(rows: dict[str, list], part: list[list[int]], batching: MicroBatching) -> int:
+        """The forward/backward passes every rank runs for a mini-batch: the micro-batches of the share that needs
+        the most (stages/trainer/micro_batches.py)."""
+        tokens = row_tokens(rows)
+        return common_passes(batching, [[tokens[i] for i in index] for index in part])
 
     def _logprobs(self, batches: list[dict[str, list]], parts: list[list[list[int]]]) -> list[list]:
         """Each batch's logprobs, each rank computing its part's; rows back in the batches' order."""
         shares = [[] for _ in range(self.size)]
         for rows, part in zip(batches, parts, strict=True):
+            passes = self._passes(rows, part, self.rank.log_prob_batching)
             for r, index in enumerate(part):
-                shares[r].append((take_rows(rows, index), self._passes(part)))
+                shares[r].append((take_rows(rows, index), passes))
         results = self._each("share_logprobs", [(s,) for s in shares])
         out = []
         for b, (rows, part) in enumerate(zip(batches, parts, strict=True)):

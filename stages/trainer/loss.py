@@ -1,12 +1,10 @@
-"""The per-token terms of the actor's objective and verl's aggregation of them into one loss.
+"""verl's aggregation of per-token terms into one loss, the entropy of a distribution, and a backend's forward.
 
-- `ppo_clip_loss`: verl's "vanilla" policy loss. The log-ratio is clamped to [-20, 20] before exp; the ratio is
-  clipped to [1 - clip_low, 1 + clip_high]; on tokens with a negative advantage the loss is also capped at
-  |A| * clip_c (dual clip), so a token whose ratio exploded cannot dominate, and its gradient is zero.
+- `agg_loss`: the five loss_agg_modes, exactly as verl's `agg_loss` on its engine path (global batch info): each
+  micro-batch's sum is divided by the whole mini-batch's denominator (`AggCounts.denominator`), so the
+  micro-batches' gradients add up to the mini-batch's. Data-parallel ranks pass global counts and dp_size.
 - `entropy_from_logits`: logsumexp(z) - sum softmax(z) * z, also over a vocabulary split across TP ranks.
-- `agg_loss`: the four loss_agg_modes. Each micro-batch's term is divided by the whole mini-batch's denominator
-  (`AggCounts.denominator`: its trained tokens, its rows, or loss_scale_factor), so the micro-batches' gradients
-  add up to the mini-batch's, as in verl's engine path. Data-parallel ranks would pass global counts and dp_size.
+The policy losses themselves (verl's registry, `actor.policy_loss.loss_mode`) are stages/trainer/policy_loss.
 
 All tensors are (B, T) over response tokens, right-padded; `mask` is 1 on trained tokens.
 """
@@ -19,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 LOG_RATIO_CLAMP = 20.0
-SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean")
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -29,17 +26,21 @@ class AggCounts:
 
     tokens: float  # trained tokens of the mini-batch (all ranks' with data parallelism)
     sequences: float  # rows of the mini-batch, fully masked ones included (ppo_mini_batch_size * n)
-    scale_factor: float  # seq-mean-token-sum-norm's divisor
+    scale_factor: float  # seq-mean-token-sum-norm's extra divisor
     dp_size: int = 1  # ranks whose gradients are averaged: each rank's share is scaled back up by it
 
     def denominator(self, mode: str) -> float:
-        """A fully masked mini-batch divides by 1, not 0: its loss is 0 rather than verl's NaN."""
+        """verl's agg_loss as one divisor of the mode's sum: token-mean tokens / dp, token-sum 1 / dp, the seq-mean
+        modes sequences / dp, seq-mean-token-sum-norm sequences * loss_scale_factor / dp. A fully masked mini-batch
+        divides by 1, not 0: its loss is 0 rather than verl's NaN."""
         if mode == "token-mean":
             return max(self.tokens, 1.0) / self.dp_size
-        if mode in SEQ_MODES:
+        if mode == "token-sum":
+            return 1.0 / self.dp_size
+        if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
             return max(self.sequences, 1.0) / self.dp_size
         if mode == "seq-mean-token-sum-norm":
-            return float(self.scale_factor)  # verl applies no dp_size factor here
+            return max(self.sequences, 1.0) * float(self.scale_factor) / self.dp_size
         raise ValueError(f"unknown loss_agg_mode {mode!r}")
 
 
@@ -49,58 +50,9 @@ def agg_loss(values: torch.Tensor, mask: torch.Tensor, mode: str, denominator: f
     masked = torch.where(mask > 0, values, torch.zeros_like(values))
     if mode == "seq-mean-token-mean":
         return (masked.sum(-1) / (mask.sum(-1) + 1e-8)).sum() / denominator  # a fully masked row adds 0
-    if mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+    if mode in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         return masked.sum() / denominator  # the same sum: the modes differ in what the caller divides it by
     raise ValueError(f"unknown loss_agg_mode {mode!r}")
-
-
-@dataclass
-class PolicyLoss:
-    loss: torch.Tensor  # scalar: this micro-batch's share of the mini-batch's aggregated policy loss
-    clipped_tokens: float  # tokens where the clipped branch is the larger loss (verl's pg_clipfrac numerator)
-    dual_clipped_tokens: float  # tokens with A < 0 where the dual clip bound is taken (pg_clipfrac_lower)
-    ratio_sum: float  # sum of the (clamped) ratios over trained tokens
-    kl_sum: float  # sum of old_logp - logp (clamped) over trained tokens: verl's ppo_kl numerator
-    tokens: float  # trained tokens
-    per_token: torch.Tensor  # (B, T) detached per-token losses (0 off the mask)
-
-
-def ppo_clip_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    agg: str,
-    denominator: float,
-    is_weights: torch.Tensor | None = None,
-    clip_c: float = 3.0,
-) -> PolicyLoss:
-    """`advantages`: (B, T) per token, or (B,) broadcast over each row. `is_weights` (B, T), detached:
-    rollout-correction importance weights on each token's loss (None = 1)."""
-    adv = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T) or (B, 1)
-    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    clip_max = torch.maximum(unclipped, clipped)
-    dual_bound = -adv * clip_c
-    per_token = torch.where(adv < 0, torch.minimum(dual_bound, clip_max), clip_max)  # (B, T)
-    if is_weights is not None:
-        per_token = per_token * is_weights
-    loss = agg_loss(per_token, mask, agg, denominator)
-    with torch.no_grad():
-        on = mask > 0
-        return PolicyLoss(
-            loss,
-            clipped_tokens=float(((clipped > unclipped) & on).sum()),
-            dual_clipped_tokens=float(((clip_max > dual_bound) & (adv < 0) & on).sum()),
-            ratio_sum=float(ratio[on].sum()),
-            kl_sum=float(-log_ratio[on].sum()),
-            tokens=float(on.sum()),
-            per_token=torch.where(on, per_token, torch.zeros_like(per_token)).detach(),
-        )
 
 
 def entropy_from_logits(

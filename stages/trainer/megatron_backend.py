@@ -38,12 +38,23 @@ import torch
 
 from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
+from stages.trainer.correction import correct_minibatches
 from stages.trainer.megatron_rank import MegatronRank
 from stages.trainer.ranks import RankPlacement, free_port, node_address
-from stages.trainer.settings import PolicySettings
-from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals
+from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings, correction_mode_error
+from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta, make_sender
+
+
+def _share(corrected: tuple, index: list[int]) -> tuple:
+    """A replica's rows `index` of one mini-batch's (anchors, masks, IS weights), each None when absent."""
+    anchor, masks, weights = corrected
+    return (
+        None if anchor is None else [anchor[i] for i in index],
+        None if masks is None else [masks[i] for i in index],
+        None if weights is None else weights[index],
+    )
 
 
 def _wait(refs: list) -> list:
@@ -62,6 +73,7 @@ class MegatronTrainer(SendsWeights):
         policy: PolicySettings | None = None,
         use_rollout_log_probs: bool = True,
         compute_prox_log_prob: bool = False,
+        rollout_correction: CorrectionSettings | None = None,
         seed: int = 0,
         torch_threads: int = 1,
         optimizer_state: str | None = None,
@@ -74,19 +86,32 @@ class MegatronTrainer(SendsWeights):
         gpus_per_rank: float = 0.0,
         rank_resources: dict[str, float] | None = None,
         rank_placement: RankPlacement | None = None,
+        execution: ExecutionSettings | None = None,
+        override_transformer_config: dict | None = None,
     ) -> None:
         """`data_parallel_size`: model replicas, each of `tensor_model_parallel_size x pipeline_model_parallel_size`
         ranks. `dtype`: the parameters' (MegatronRank). `gpus_per_rank`, `rank_resources`: what each peer rank asks
         Ray for (ray.gpus_per_trainer_rank on a GPU cluster; a share of the trainer nodes' custom resource,
-        pipeline/config/placement.py); `rank_placement`: the trainer's nodes (default: all on this one)."""
+        pipeline/config/placement.py); `rank_placement`: the trainer's nodes (default: all on this one).
+        `execution`, `override_transformer_config`: MegatronRank's (packing, the proximal pass's micro-batches;
+        activation recompute)."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, not {data_parallel_size}")
+        policy = policy or PolicySettings()
+        self.correction = rollout_correction or CorrectionSettings()
+        self.recompute = compute_prox_log_prob or not use_rollout_log_probs
+        error = correction_mode_error(self.correction, self.recompute, policy.policy_loss.loss_mode)
+        if error:
+            raise ValueError(error)
         kwargs = dict(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
-            policy=policy or PolicySettings(),
+            policy=policy,
             seed=seed,
             torch_threads=torch_threads,
+            bypass=None if self.recompute else self.correction,
+            execution=execution,
+            override_transformer_config=override_transformer_config,
             dtype=dtype,
         )
         self.tp, self.pp, self.dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
@@ -107,7 +132,6 @@ class MegatronTrainer(SendsWeights):
             ]
         self.rank = MegatronRank(model_dir, 0, world, port, **kwargs)  # joins the peers' rendezvous
         self.model_dir = Path(model_dir)
-        self.recompute = compute_prox_log_prob or not use_rollout_log_probs
         self.bucket_bytes = export_bucket_mb << 20
         self.sender = make_sender(weight_sync_backend, node_address())
         if optimizer_state:
@@ -136,14 +160,32 @@ class MegatronTrainer(SendsWeights):
         start = time.monotonic()
         minibatches = rows_of(minibatches)  # fetched from the object store here, not through the driver
         parts = [balanced_partitions(row_tokens(mb), self.dp) for mb in minibatches]
+        corrected, metrics = self._correct(minibatches)
         # Counted (and checked) over each whole mini-batch here, before any rank starts a collective.
-        counts = [Minibatch.of(mb, self.rank.policy).counts for mb in minibatches]
+        counts = [Minibatch.of(mb, self.rank.policy, *c).counts for mb, c in zip(minibatches, corrected, strict=True)]
         shares = [[take_rows(mb, part[d]) for mb, part in zip(minibatches, parts, strict=True)] for d in range(self.dp)]
-        totals: list[StepTotals] = self._each("train_shares", lambda d: (shares[d], self.recompute, counts))
+        mine = [[_share(c, part[d]) for c, part in zip(corrected, parts, strict=True)] for d in range(self.dp)]
+        totals: list[StepTotals] = self._each("train_shares", lambda d: (shares[d], False, counts, mine[d]))
         for other in totals[1:]:
             totals[0].add_rank(other)
         totals[0].started = start
-        return totals[0].metrics()
+        return metrics | totals[0].metrics()
+
+    def _correct(self, minibatches: list[dict[str, list]]) -> tuple[list[tuple], dict[str, float]]:
+        """Per mini-batch (proximal anchors, rejection-masked masks, IS weights): with recomputed logprobs, all of
+        them before the first update (the weights at the start of the step) and the step corrected at once, as
+        TorchTrainer does; in bypass mode (None, None, None): the engine's logprobs are the anchor."""
+        if not self.recompute:
+            return [(None, None, None)] * len(minibatches), {}
+        replay = self.rank.policy.router_replay.active
+        for mb in minibatches if replay else []:
+            check_routes(mb)
+        anchors = [
+            self.logprobs(mb["prompt_ids"], mb["response_ids"], mb[ROUTES_COLUMN] if replay else None)
+            for mb in minibatches
+        ]
+        corrections, metrics = correct_minibatches(minibatches, anchors, self.correction)
+        return [(a, m, w) for a, (m, w) in zip(anchors, corrections, strict=True)], metrics
 
     def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:
         """Each replica computes its share of the rows; they come back in the rows' order."""

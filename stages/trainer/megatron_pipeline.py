@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.trainer.step import Minibatch, StepTotals
+from stages.trainer.balance import row_tokens
+from stages.trainer.step import Minibatch, StepTotals, pick
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -129,12 +130,12 @@ def _run_schedule(rank, forward_step: Callable, num_micro: int, forward_only: bo
 def scheduled_update(rank, mb: Minibatch, totals: StepTotals) -> None:
     """One optimizer update of MegatronRank `rank` whose micro-batches megatron's schedule drives (any PP, CPU or
     GPU); the last stage adds each micro-batch's loss to `totals`, every stage the update's grad norm."""
-    slices = mb.slices(rank.policy.micro_batch_size)
+    slices = mb.micro_batches(rank.policy)
     rows = mb.rows
 
     def forward_step(data_iterator, model):
         sl = slices[next(data_iterator)]
-        batch = rank.inputs(rows["prompt_ids"][sl], rows["response_ids"][sl])
+        batch = rank.inputs(pick(rows["prompt_ids"], sl), pick(rows["response_ids"], sl))
         output = rank.stage_forward(batch, mb.replay_kwargs(sl, rank.policy).get("routes"))
 
         def loss_func(logits: torch.Tensor):
@@ -154,20 +155,20 @@ def scheduled_update(rank, mb: Minibatch, totals: StepTotals) -> None:
 
 
 def scheduled_logprobs(rank, prompts: list, responses: list) -> list[list[float]] | None:
-    """Each response's token logprobs through the pipeline, `micro_batch_size` rows at a time; the last stage's
-    answer, None on the other stages."""
-    micro = rank.policy.micro_batch_size
-    slices = [slice(lo, lo + micro) for lo in range(0, len(responses), micro)]
-    out: list[list[float]] = []
+    """Each response's token logprobs through the pipeline, a micro-batch at a time (cut as the proximal pass says);
+    the last stage's answer, None on the other stages."""
+    slices = rank.log_prob_batching.cut(row_tokens({"prompt_ids": prompts, "response_ids": responses}))
+    out: list = [None] * len(responses)
 
     def forward_step(data_iterator, model):
         sl = slices[next(data_iterator)]
-        batch = rank.inputs(prompts[sl], responses[sl])
+        batch = rank.inputs(pick(prompts, sl), pick(responses, sl))
         output = rank.stage_forward(batch, None)
 
         def collect(logits: torch.Tensor):
             logp = rank.read_logits(logits, batch).logp
-            out.extend(logp[i, : len(r)].tolist() for i, r in enumerate(responses[sl]))
+            for i, row in zip(sl, logp, strict=True):
+                out[i] = row[: len(responses[i])].tolist()
             return logits.new_zeros(()), torch.ones((), dtype=torch.int), {}
 
         return output, collect

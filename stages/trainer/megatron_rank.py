@@ -31,21 +31,22 @@ import functools
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from stages.trainer.loss import AggCounts, TokenForward, entropy_from_logits
+from stages.trainer.lr_schedule import apply_lr
 from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, shard
 from stages.trainer.megatron_export import ModelExport
+from stages.trainer.megatron_inputs import Inputs, model_inputs
 from stages.trainer.megatron_moe import MegatronRouteReplay, layer_spec, moe_config
 from stages.trainer.megatron_pipeline import Stage, cpu_build, scheduled_logprobs, scheduled_update
+from stages.trainer.packing import pack_rows, unpack_rows
 from stages.trainer.ranks import LOOPBACK
-from stages.trainer.settings import PolicySettings
+from stages.trainer.settings import CorrectionSettings, ExecutionSettings, MegatronRecompute, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
 
 
@@ -69,17 +70,6 @@ def _load_hf(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
-@dataclass
-class Inputs:
-    """One micro-batch's model inputs: (B, S) token ids right-padded, their positions, the causal mask."""
-
-    prompts: list
-    responses: list
-    ids: torch.Tensor
-    positions: torch.Tensor
-    causal: torch.Tensor
-
-
 class MegatronRank:
     def __init__(
         self,
@@ -93,9 +83,15 @@ class MegatronRank:
         seed: int = 0,
         torch_threads: int = 1,
         host: str = LOOPBACK,
+        bypass: CorrectionSettings | None = None,
+        execution: ExecutionSettings | None = None,
+        override_transformer_config: dict | None = None,
         dtype: str | None = None,
     ) -> None:
-        """`dtype` (actor.megatron.dtype): 'bfloat16' or 'float32' parameters; None: bfloat16 on a GPU, float32 on
+        """`bypass`: the rollout correction the bypass_mode loss applies (bypass mode); None otherwise.
+        `execution`: packing and the proximal pass's micro-batches; `override_transformer_config`: megatron's
+        activation recompute keys (recompute_granularity, recompute_method, recompute_num_layers, recompute_modules).
+        `dtype` (actor.megatron.dtype): 'bfloat16' or 'float32' parameters; None: bfloat16 on a GPU, float32 on
         CPU. bf16 parameters train with megatron's fp32 main weights and optimizer state, which only its CUDA
         optimizer keeps."""
         from megatron.core import parallel_state
@@ -132,6 +128,10 @@ class MegatronRank:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.stage = Stage(pp_rank, pp, self.shape.num_layers, self.shape.tied_embeddings)
         self.policy = policy or PolicySettings()
+        self.bypass = bypass
+        self.execution = execution or ExecutionSettings()
+        self.log_prob_batching = self.execution.log_prob or self.policy.batching
+        self.recompute = MegatronRecompute(**(override_transformer_config or {})).transformer_config()
         self.model = self._build(seed)
         self._load()
         self.replay = MegatronRouteReplay(self.model.module, self.shape) if self.policy.router_replay.active else None
@@ -180,6 +180,7 @@ class MegatronRank:
             params_dtype=self.dtype,
             bf16=self.dtype == torch.bfloat16,
             use_cpu_initialization=True,
+            **self.recompute,
             **moe_config(s, replay=self.policy.router_replay.active),
             # Unused by a dense model (PP > 1 is dense only), but the default, allgather, refuses variable lengths.
             **({"moe_token_dispatcher_type": "alltoall"} if self.stage.size > 1 else {}),
@@ -203,17 +204,17 @@ class MegatronRank:
 
     def _optimizer(self):
         """torch AdamW on CPU; on GPU megatron's distributed optimizer with the same hyper-parameters and clip."""
-        lr, weight_decay = self.policy.lr, self.policy.weight_decay
+        lr, weight_decay, betas = self.policy.lr, self.policy.weight_decay, tuple(self.policy.optim.betas)
         if not self.cuda:
-            return torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+            return torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = OptimizerConfig(
             optimizer="adam",
             lr=lr,
             weight_decay=weight_decay,
-            adam_beta1=0.9,
-            adam_beta2=0.999,
+            adam_beta1=betas[0],
+            adam_beta2=betas[1],
             adam_eps=1e-8,
             clip_grad=self.policy.grad_clip,
             use_distributed_optimizer=True,
@@ -248,22 +249,16 @@ class MegatronRank:
         return self.read_logits(self.stage_forward(batch, routes), batch, entropy)
 
     def inputs(self, prompts: list, responses: list) -> Inputs:
-        seqs = [np.concatenate([p, r]).astype(np.int64) for p, r in zip(prompts, responses, strict=True)]
-        width_s = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width_s), self.pad, dtype=torch.long)  # (B, S), right-padded
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.as_tensor(s)
-        ids = ids.to(self.device)
-        positions = torch.arange(width_s, device=self.device).expand_as(ids)
-        # True = masked out; right padding needs no more than causality for the positions we read.
-        causal = torch.triu(torch.ones(width_s, width_s, dtype=torch.bool, device=self.device), 1)[None, None]
-        return Inputs(prompts, responses, ids, positions, causal)
+        """Right-padded rows, or one packed row with model.use_remove_padding (stages/trainer/megatron_inputs.py)."""
+        return model_inputs(prompts, responses, self.pad, self.device, self.execution.use_remove_padding)
 
     def stage_forward(self, batch: Inputs, routes: torch.Tensor | None) -> torch.Tensor:
         """This stage's output: the logits (B, S, V_padded / tp) on the last stage, hidden states on the others
         (whose input megatron's schedule has set)."""
         if routes is not None and self.replay is None:
             raise ValueError("routes given to a trainer built without actor.router_replay")
+        if routes is not None and batch.packed:
+            routes = pack_rows(routes, batch.lengths)  # (1, N, layers * k), as the tokens
         with self.replay.forcing(routes) if self.replay else contextlib.nullcontext():
             return self.model(batch.ids, batch.positions, batch.causal)
 
@@ -271,7 +266,7 @@ class MegatronRank:
         """The response tokens' logprobs (B, T), and their entropy when asked, from the last stage's logits."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        prompts, responses, ids = batch.prompts, batch.responses, batch.ids
+        responses, ids = batch.responses, batch.ids
         local_vocab = logits.shape[-1]
         vocab_ids = torch.arange(local_vocab, device=self.device) + self.tp_rank * local_vocab
         logits = logits.float().masked_fill(vocab_ids >= self.shape.vocab_size, float("-inf"))  # padding rows
@@ -279,18 +274,15 @@ class MegatronRank:
         token_ent = self._entropy(logits) if entropy else None  # (B, S); first: the cross entropy works in place
         token_logp = -vocab_parallel_cross_entropy(logits, targets)  # (B, S)
         width = max((len(r) for r in responses), default=0)
-        logp = torch.zeros(len(responses), width, device=self.device)
-        mask = torch.zeros(len(responses), width, device=self.device)
-        ent = torch.zeros(len(responses), width, device=self.device) if entropy else None
-        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-            start = len(p) - 1
-            logp[i, : len(r)] = token_logp[i, start : start + len(r)]
-            mask[i, : len(r)] = 1.0
-            if ent is not None:
-                ent[i, : len(r)] = token_ent[i, start : start + len(r)]
+        logp = batch.response_values(token_logp, width)
+        mask = batch.response_values(torch.ones_like(token_logp), width)
+        ent = batch.response_values(token_ent, width) if entropy else None
         if self.replay is None:
             return TokenForward(logp, mask, ent)
-        return TokenForward(logp, mask, ent, self.replay.replayed, self.replay.changed, self.replay.maps())
+        maps = self.replay.maps()
+        if maps is not None and batch.packed:
+            maps = tuple(unpack_rows(m, batch.lengths) for m in maps)
+        return TokenForward(logp, mask, ent, self.replay.replayed, self.replay.changed, maps)
 
     def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, S) entropy of logits split over the vocabulary across TP ranks: the max and the two sums are
@@ -312,7 +304,7 @@ class MegatronRank:
         """Each response's token logprobs; at PP > 1 on the last stage, None on the others."""
         if self.stage.size > 1:
             return scheduled_logprobs(self, prompts, responses)
-        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size, routes)
+        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.log_prob_batching, routes)
 
     # --- training ------------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]], recompute: bool = False) -> dict[str, float]:
@@ -320,16 +312,24 @@ class MegatronRank:
         return self.train_shares(minibatches, recompute).metrics()
 
     def train_shares(
-        self, minibatches: list[dict[str, list]], recompute: bool = False, counts: list[AggCounts] | None = None
+        self,
+        minibatches: list[dict[str, list]],
+        recompute: bool = False,
+        counts: list[AggCounts] | None = None,
+        corrected: list[tuple] | None = None,
     ) -> StepTotals:
         """One update per mini-batch from this replica's share of its rows; `counts`: the whole mini-batches'
-        aggregation counts (every replica divides by them). Returns the sums StepTotals.add_rank adds up."""
-        totals = StepTotals(self.policy)
-        anchors = [self._anchor(mb) if recompute else None for mb in minibatches]
+        aggregation counts (every replica divides by them); `corrected`: per mini-batch, this share's proximal
+        anchors, rejection-masked token masks and IS weights (the step corrected as a whole by MegatronTrainer),
+        else the anchors are computed here when `recompute`. Returns the sums StepTotals.add_rank adds up."""
+        totals = StepTotals(self.policy, lr=apply_lr(self.optimizer, self.policy.optim, self.policy.lr))
+        if corrected is None:
+            corrected = [(self._anchor(mb) if recompute else None, None, None) for mb in minibatches]
         cpu_loop = not self.cuda and self.stage.size == 1
         update = self._update if cpu_loop else functools.partial(scheduled_update, self)
-        for i, (rows, anchor) in enumerate(zip(minibatches, anchors, strict=True)):
-            update(Minibatch.of(rows, self.policy, anchor, counts=counts[i] if counts else None), totals)
+        for i, (rows, (anchor, masks, weights)) in enumerate(zip(minibatches, corrected, strict=True)):
+            count = counts[i] if counts else None
+            update(Minibatch.of(rows, self.policy, anchor, masks, weights, count, self.bypass), totals)
         return totals
 
     def _anchor(self, rows: dict[str, list]) -> list:
@@ -343,7 +343,7 @@ class MegatronRank:
         """The CPU update at PP = 1: the micro-batches' forward/backward in a plain loop."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
-        for sl in mb.slices(self.policy.micro_batch_size):
+        for sl in mb.micro_batches(self.policy):
             res = mb.loss(self._token_logprobs, sl, self.policy, self.device)
             res.total.backward()
             totals.add_micro(res)

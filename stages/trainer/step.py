@@ -2,17 +2,19 @@
 masks, anchors, advantages and the aggregation counts; one micro-batch's objective; and a step's metrics.
 
 The objective is verl's actor loss: policy loss - entropy_coeff * entropy + kl_loss_coef * KL(current || ref),
-the three aggregated alike (stages/trainer/loss.py) with the whole mini-batch's denominators, so the micro-batches'
-gradients add up to the mini-batch's. TorchTrainer and MegatronRank both call these, so the two backends train the
-same objective and report the same metrics by construction; each backend only supplies `token_logprobs` (its
-forward pass) and its optimizer.
+the policy loss being `actor.policy_loss.loss_mode`'s (stages/trainer/policy_loss); the three are aggregated alike
+(stages/trainer/loss.py) with the whole mini-batch's denominators, so the micro-batches' gradients add up to the
+mini-batch's. TorchTrainer and MegatronRank both call these, so the two backends train the same objective and report
+the same metrics by construction; each backend only supplies `token_logprobs` (its forward pass) and its optimizer.
 
 Metrics, under verl's names, over a step of one or more mini-batches (one optimizer update each):
 - actor/pg_loss, actor/entropy, actor/kl_loss: each mini-batch's aggregated value (the sum of its micro-batches'
   shares), averaged over the step's mini-batches (verl's legacy actor sums them; one mini-batch per step agrees);
-- actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl (mean of old - new logprob, the log-ratio clamped),
-  train/ratio_mean: token-weighted over all the step's trained tokens, not a mean of micro-batch means;
+- actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl (as each policy loss defines them; a loss that has
+  no such metric in verl reports none), train/ratio_mean: token-weighted over all the step's trained tokens, not a
+  mean of micro-batch means; a loss's other metrics (bypass_mode's rollout_corr/*) are means over micro-batches;
 - actor/grad_norm: the pre-clip norm, averaged over the step's updates; actor/kl_coef when the KL loss is on;
+  actor/lr, the step's learning rate (stages/trainer/lr_schedule.py);
 - actor/router_mismatch (with actor.router_replay.mode=R3): the share of replayed (token, MoE layer) pairs whose
   replayed experts are not the set the trainer's own router would pick, over the step's training forward passes;
   actor/router_mismatch_stale the same over the pairs whose routes older weights than the trainer's computed (the
@@ -31,13 +33,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from stages.trainer.balance import row_tokens
 from stages.trainer.kl import kl_penalty
-from stages.trainer.loss import AggCounts, PolicyLoss, TokenLogprobs, agg_loss, ppo_clip_loss
-from stages.trainer.settings import PolicySettings
+from stages.trainer.loss import AggCounts, TokenLogprobs, agg_loss
+from stages.trainer.micro_batches import MicroBatching
+from stages.trainer.policy_loss import LossInputs, PolicyLoss, policy_loss_fn
+from stages.trainer.settings import CorrectionSettings, PolicySettings
 
 NEEDED_COLUMNS = ("prompt_ids", "response_ids", "response_logprobs", "response_mask")
 ROUTES_COLUMN = "routed_experts"
 NO_ROUTE = -1  # a (B, S, layers * k) routes tensor's value where the model routes the token itself
+Rows = slice | list[int]  # a micro-batch: a run of the mini-batch's rows, or any of them (a token-budget cut)
 
 
 @dataclass
@@ -61,6 +67,7 @@ class Minibatch:
     old: list
     counts: AggCounts  # the whole mini-batch's: every micro-batch divides by them
     is_weights: torch.Tensor | None = None  # (B, T) rollout-correction weights, None without `rollout_is`
+    bypass: CorrectionSettings | None = None  # bypass mode's correction, which the bypass_mode loss computes
 
     @classmethod
     def of(
@@ -71,9 +78,11 @@ class Minibatch:
         masks: list | None = None,
         is_weights: torch.Tensor | None = None,
         counts: AggCounts | None = None,
+        bypass: CorrectionSettings | None = None,
     ) -> Minibatch:
         """`counts`: the aggregation's counts when they span more than these rows (data-parallel ranks pass the
-        global ones and dp_size); by default this mini-batch's own."""
+        global ones and dp_size); by default this mini-batch's own. `bypass`: the rollout correction the
+        bypass_mode loss applies (the anchor being the engine's logprobs)."""
         missing = [c for c in NEEDED_COLUMNS if c not in rows]
         if "token_advantages" not in rows and "advantage" not in rows:
             missing.append("token_advantages (or advantage)")
@@ -91,31 +100,35 @@ class Minibatch:
                 sequences=float(len(rows["response_ids"])),
                 scale_factor=float(policy.loss_scale_factor or width),
             )
-        return cls(rows, masks, anchor if anchor is not None else rows["response_logprobs"], counts, is_weights)
+        old = anchor if anchor is not None else rows["response_logprobs"]
+        return cls(rows, masks, old, counts, is_weights, bypass)
 
     def slices(self, micro: int) -> list[slice]:
         return [slice(lo, lo + micro) for lo in range(0, len(self.rows["response_ids"]), micro)]
 
-    def loss(self, token_logprobs: TokenLogprobs, sl: slice, policy: PolicySettings, device="cpu") -> MicroLoss:
+    def micro_batches(self, policy: PolicySettings, at_least: int = 1) -> list[list[int]]:
+        """The rows of each micro-batch, cut as the policy says (micro_batch_size rows, or a token budget with
+        use_dynamic_bsz; stages/trainer/micro_batches.py); `at_least`: the passes another rank runs."""
+        return policy.batching.cut(row_tokens(self.rows), at_least)
+
+    def loss(self, token_logprobs: TokenLogprobs, sl: Rows, policy: PolicySettings, device="cpu") -> MicroLoss:
         """Micro-batch `sl`'s share of the mini-batch's objective."""
         rows = self.rows
-        prompts, responses = rows["prompt_ids"][sl], rows["response_ids"][sl]
+        prompts, responses = pick(rows["prompt_ids"], sl), pick(rows["response_ids"], sl)
         replay = self.replay_kwargs(sl, policy)
         fwd = token_logprobs(prompts, responses, entropy=True, **replay)  # (B, T) each
         width = fwd.logp.shape[1]
-        old = self._pad(self.old[sl], width, device)
-        mask = fwd.mask * self._pad(self.masks[sl], width, device)
+        old = self._pad(pick(self.old, sl), width, device)
+        mask = fwd.mask * self._pad(pick(self.masks, sl), width, device)
         w = None if self.is_weights is None else self.is_weights[sl, :width].to(device)
         agg, den = policy.loss_agg_mode, self.counts.denominator(policy.loss_agg_mode)
-        clip = (policy.clip_low, policy.clip_high)
-        pg = ppo_clip_loss(
-            fwd.logp, old, self._advantages(sl, width, device), mask, *clip, agg, den, w, clip_c=policy.clip_ratio_c
-        )
+        x = LossInputs(fwd.logp, old, self._advantages(sl, width, device), mask, self.counts, agg, w, self.bypass)
+        pg = PolicyLoss.of(policy_loss_fn(policy.policy_loss)(x, policy), x)
         entropy = agg_loss(fwd.entropy, mask, agg, den)
         total = pg.loss - policy.entropy_coeff * entropy if policy.entropy_coeff else pg.loss
         kl = torch.zeros(())
         if policy.use_kl_loss:
-            ref = self._pad(rows["ref_logprobs"][sl], width, device)
+            ref = self._pad(pick(rows["ref_logprobs"], sl), width, device)
             kl = agg_loss(kl_penalty(fwd.logp, ref, policy.kl_loss_type), mask, agg, den)
             total = total + policy.kl_loss_coef * kl
         stale = self._stale_route_counts(sl, fwd.route_maps)
@@ -123,7 +136,7 @@ class Minibatch:
             total, pg, float(entropy.detach()), float(kl.detach()), fwd.routes_replayed, fwd.routes_changed, *stale
         )
 
-    def _stale_route_counts(self, sl: slice, maps: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float]:
+    def _stale_route_counts(self, sl: Rows, maps: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float]:
         """(replayed, changed) (token, MoE layer) pairs over the context tokens whose routes older weights than the
         trainer's computed (`trainer_version`: the step's version, Step.minibatches)."""
         rows = self.rows
@@ -133,10 +146,10 @@ class Minibatch:
         stale = torch.zeros_like(replayed, dtype=torch.bool)
         for i, (p, versions, base, now) in enumerate(
             zip(
-                rows["prompt_ids"][sl],
-                rows["token_param_version"][sl],
-                rows["routes_version"][sl],
-                rows["trainer_version"][sl],
+                pick(rows["prompt_ids"], sl),
+                pick(rows["token_param_version"], sl),
+                pick(rows["routes_version"], sl),
+                pick(rows["trainer_version"], sl),
                 strict=True,
             )
         ):
@@ -144,20 +157,24 @@ class Minibatch:
             stale[i, : len(row_versions)] = row_versions < now
         return float(replayed[stale].sum()), float(changed[stale].sum())
 
-    def replay_kwargs(self, sl: slice, policy: PolicySettings) -> dict[str, torch.Tensor]:
+    def replay_kwargs(self, sl: Rows, policy: PolicySettings) -> dict[str, torch.Tensor]:
         """What a forward over micro-batch `sl` takes besides the tokens: `routes` (B, S, layers * k) to replay
         with routing replay on, nothing otherwise."""
         if not policy.router_replay.active:
             return {}
         rows = self.rows
-        return {"routes": pad_routes(rows["prompt_ids"][sl], rows["response_ids"][sl], rows[ROUTES_COLUMN][sl])}
+        return {
+            "routes": pad_routes(
+                pick(rows["prompt_ids"], sl), pick(rows["response_ids"], sl), pick(rows[ROUTES_COLUMN], sl)
+            )
+        }
 
-    def _advantages(self, sl: slice, width: int, device) -> torch.Tensor:
+    def _advantages(self, sl: Rows, width: int, device) -> torch.Tensor:
         """(B, T) per-token advantages; a scalar `advantage` broadcast over the response when the batch has no
         `token_advantages` (sample logs written before the column, hand-built batches)."""
         if "token_advantages" in self.rows:
-            return self._pad(self.rows["token_advantages"][sl], width, device)
-        adv = torch.tensor(np.asarray(self.rows["advantage"][sl], np.float32), device=device)
+            return self._pad(pick(self.rows["token_advantages"], sl), width, device)
+        adv = torch.tensor(np.asarray(pick(self.rows["advantage"], sl), np.float32), device=device)
         return adv[:, None].expand(-1, width)
 
     @staticmethod
@@ -233,20 +250,22 @@ class StepTotals:
     shares: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("pg", "entropy", "kl", "grad_norm"), 0.0))
     token_sums: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(
-            ("clipped", "dual_clipped", "kl", "ratio", "tokens")
-            + ("routes_replayed", "routes_changed", "stale_replayed", "stale_changed"),
-            0.0,
+            ("ratio", "tokens", "routes_replayed", "routes_changed", "stale_replayed", "stale_changed"), 0.0
         )
     )
+    pg_sums: dict[str, float] = field(default_factory=dict)  # per-token metrics the policy loss reports: their sums
+    pg_metrics: dict[str, list[float]] = field(default_factory=dict)  # its other metrics, one value per micro-batch
+    lr: float | None = None  # the step's learning rate (actor/lr), when the backend schedules one
 
     def add_micro(self, res: MicroLoss) -> None:
         self.shares["pg"] += res.pg.loss.detach().item()
         self.shares["entropy"] += res.entropy
         self.shares["kl"] += res.kl
+        for key, value in res.pg.sums.items():
+            self.pg_sums[key] = self.pg_sums.get(key, 0.0) + value
+        for key, value in res.pg.metrics.items():
+            self.pg_metrics.setdefault(key, []).append(value)
         for key, value in (
-            ("clipped", res.pg.clipped_tokens),
-            ("dual_clipped", res.pg.dual_clipped_tokens),
-            ("kl", res.pg.kl_sum),
             ("ratio", res.pg.ratio_sum),
             ("tokens", res.pg.tokens),
             ("routes_replayed", res.routes_replayed),
@@ -268,6 +287,10 @@ class StepTotals:
             self.shares[key] += other.shares[key]
         for key, value in other.token_sums.items():
             self.token_sums[key] += value
+        for key, value in other.pg_sums.items():
+            self.pg_sums[key] = self.pg_sums.get(key, 0.0) + value
+        for key, values in other.pg_metrics.items():
+            self.pg_metrics.setdefault(key, []).extend(values)
 
     def metrics(self) -> dict[str, float]:
         n, tokens = max(self.updates, 1), max(self.token_sums["tokens"], 1.0)
@@ -276,13 +299,14 @@ class StepTotals:
             "actor/entropy": self.shares["entropy"] / n,
             "actor/kl_loss": self.shares["kl"] / n,
             "actor/grad_norm": self.shares["grad_norm"] / n,
-            "actor/pg_clipfrac": self.token_sums["clipped"] / tokens,
-            "actor/pg_clipfrac_lower": self.token_sums["dual_clipped"] / tokens,
-            "actor/ppo_kl": self.token_sums["kl"] / tokens,
+            **{key: value / tokens for key, value in self.pg_sums.items()},
+            **{key: sum(values) / len(values) for key, values in self.pg_metrics.items()},
             "train/ratio_mean": self.token_sums["ratio"] / tokens,
             "train/num_tokens": float(self.token_sums["tokens"]),
             "timing/train_s": time.monotonic() - self.started,
         }
+        if self.lr is not None:
+            out["actor/lr"] = self.lr
         if self.policy.use_kl_loss:
             out["actor/kl_coef"] = self.policy.kl_loss_coef
         if self.policy.router_replay.active:
@@ -294,18 +318,30 @@ class StepTotals:
 
 
 def micro_batched_logprobs(
-    token_logprobs: TokenLogprobs, prompts: list, responses: list, micro: int, routes: list | None = None
+    token_logprobs: TokenLogprobs,
+    prompts: list,
+    responses: list,
+    batching: MicroBatching,
+    routes: list | None = None,
+    at_least: int = 1,
 ) -> list[list[float]]:
-    """Each response's token logprobs, computed `micro` sequences at a time by a backend's `token_logprobs`: the
-    proximal anchors of every backend. `routes`: the rows' routed_experts, replayed (verl's R3 replays them in
-    this pass too); None routes as the model does."""
-    out: list[list[float]] = []
-    for lo in range(0, len(responses), micro):
-        p, r = prompts[lo : lo + micro], responses[lo : lo + micro]
-        replay = {} if routes is None else {"routes": pad_routes(p, r, routes[lo : lo + micro])}
+    """Each response's token logprobs, computed a micro-batch at a time (cut by `batching`, `at_least` of them
+    with a token budget) by a backend's `token_logprobs`: the proximal anchors of every backend. `routes`: the
+    rows' routed_experts, replayed (verl's R3 replays them in this pass too); None routes as the model does."""
+    out: list = [None] * len(responses)
+    rows = {"prompt_ids": prompts, "response_ids": responses}
+    for index in batching.cut(row_tokens(rows), at_least):
+        p, r = pick(prompts, index), pick(responses, index)
+        replay = {} if routes is None else {"routes": pad_routes(p, r, pick(routes, index))}
         logp = token_logprobs(p, r, **replay).logp
-        out += [logp[i, : len(x)].tolist() for i, x in enumerate(r)]
+        for i, x, row in zip(index, r, logp, strict=True):
+            out[i] = row[: len(x)].tolist()
     return out
+
+
+def pick(values: list, rows: Rows) -> list:
+    """These rows of a column, in this order."""
+    return values[rows] if isinstance(rows, slice) else [values[i] for i in rows]
 
 
 def pad_rows(rows: list[np.ndarray], width: int) -> torch.Tensor:

@@ -11,6 +11,12 @@ The old logprobs of the PPO ratio are, as in verl:
   weights at the start of the step, for every mini-batch before the first update. Rollout correction
   (stages/trainer/correction.py) then weighs and masks samples by proximal / behaviour: decoupled PPO.
 
+A mini-batch is cut into micro-batches of `micro_batch_size` rows or by a token budget (`use_dynamic_bsz`,
+stages/trainer/micro_batches.py); each is right-padded or packed into one row (`model.use_remove_padding`,
+stages/trainer/packing.py), its decoder layers optionally checkpointed, and the parameters and optimizer state
+optionally parked in CPU memory between steps (stages/trainer/offload.py): ExecutionSettings, none of which changes
+the update.
+
 With `actor.router_replay.mode=R3` every forward pass of a step, the proximal one included (as verl's R3), replays
 the engine's MoE routes (stages/trainer/hf_router_replay.py).
 
@@ -37,14 +43,18 @@ from torch.nn.utils.rnn import pad_sequence
 
 from stages.handoff import StepRows, rows_of
 from stages.trainer import fsdp
-from stages.trainer.correction import correct_step
+from stages.trainer.balance import row_tokens
+from stages.trainer.correction import correct_minibatches
 from stages.trainer.fsdp import DPRank, Share
 from stages.trainer.hf_router_replay import HFRouterReplay
 from stages.trainer.loss import TokenForward, entropy_from_logits
+from stages.trainer.lr_schedule import apply_lr
+from stages.trainer.offload import Offload
+from stages.trainer.packing import packed_forward, use_packed_attention
 from stages.trainer.precision import MixedPrecision, autocast, compute_dtype, pick_device, to_dtype
 from stages.trainer.ranks import node_address
-from stages.trainer.settings import CorrectionSettings, PolicySettings
-from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs, pad_rows
+from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings, correction_mode_error
+from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta, make_sender
 
@@ -62,6 +72,7 @@ class TorchTrainer(SendsWeights):
         optimizer_state: str | None = None,
         weight_sync_backend: str = "gloo",
         data_parallel: DPRank | None = None,
+        execution: ExecutionSettings | None = None,
         model_dtype: str = "fp32",
         mixed_precision: MixedPrecision | None = None,
         device: str | None = None,
@@ -69,6 +80,7 @@ class TorchTrainer(SendsWeights):
         """`optimizer_state`: a saved optimizer state (a checkpoint's optimizer.pt) to continue from, as a
         single-process trainer saves it (a sharded trainer saves it gathered, so either reads either's).
         `data_parallel`: this process's FSDP rank (stages/trainer/fsdp_backend.py starts them); None: no group.
+        `execution`: packing, the proximal pass's micro-batches, activation checkpointing and offload.
         `model_dtype`, `mixed_precision`: the weights' and the forward's dtypes (stages/trainer/precision.py).
         `device`: where to compute; None: the GPU this process sees, else the CPU."""
         from transformers import AutoModelForCausalLM
@@ -83,19 +95,32 @@ class TorchTrainer(SendsWeights):
         self.compute_dtype = compute_dtype(mixed_precision.param_dtype, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=to_dtype(model_dtype)).to(self.device)
         self.model.train()
+        self.execution = execution or ExecutionSettings()
+        if self.execution.enable_gradient_checkpointing:  # before sharding: FSDP2 wraps the checkpointed layers
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.execution.use_remove_padding:
+            use_packed_attention(self.model)
         if self.dp.sharded:
             reduce_dtype = to_dtype(mixed_precision.reduce_dtype)
             fsdp.shard_model(self.model, self.dp, self.device, self.compute_dtype, reduce_dtype)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.policy.lr, weight_decay=self.policy.weight_decay
+            self.model.parameters(),
+            lr=self.policy.lr,
+            weight_decay=self.policy.weight_decay,
+            betas=tuple(self.policy.optim.betas),
         )
         if optimizer_state:
             self.load_optimizer_state(torch.load(optimizer_state, weights_only=True, map_location="cpu"))
+        self.offload = Offload(
+            self.model, self.optimizer, self.device, self.execution.param_offload, self.execution.optimizer_offload
+        )
+        self.log_prob_batching = self.execution.log_prob or self.policy.batching
         self.model_dir = Path(model_dir)
         self.correction = rollout_correction or CorrectionSettings()
         self.recompute = compute_prox_log_prob or not use_rollout_log_probs
-        if self.correction.active and not self.recompute:
-            raise ValueError("rollout correction compares proximal and behaviour logprobs: set compute_prox_log_prob")
+        error = correction_mode_error(self.correction, self.recompute, self.policy.policy_loss.loss_mode)
+        if error:
+            raise ValueError(error)
         self.pad = self.model.config.pad_token_id or 0
         self.replay = HFRouterReplay(self.model) if self.policy.router_replay.active else None
         self.sender = make_sender(weight_sync_backend, node_address())
@@ -103,8 +128,12 @@ class TorchTrainer(SendsWeights):
     # --- training --------------------------------------------------------------------------------------------
     def train_step(self, minibatches: StepRows | list[dict[str, list]]) -> dict[str, float]:
         """One trainer step: an optimizer update per mini-batch. Each mini-batch maps column -> list of rows."""
-        totals = StepTotals(self.policy)
+        totals = StepTotals(self.policy, lr=apply_lr(self.optimizer, self.policy.optim, self.policy.lr))
         minibatches = rows_of(minibatches)  # fetched from the object store here, not through the driver
+        with self.offload.active():
+            return self._train_step(minibatches, totals)
+
+    def _train_step(self, minibatches: list[dict[str, list]], totals: StepTotals) -> dict[str, float]:
         # The proximal anchor is the weights at the start of the step: all of it before the first update.
         anchors: list = [None] * len(minibatches)
         corrections: list[tuple[list | None, torch.Tensor | None]] = [(None, None)] * len(minibatches)
@@ -112,28 +141,32 @@ class TorchTrainer(SendsWeights):
         if self.recompute:  # decoupled PPO: the ratio is against the proximal policy, IS against behaviour
             anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"], self._routes(mb)) for mb in minibatches]
             corrections, correction_metrics = correct_minibatches(minibatches, anchors, self.correction)
+        bypass = None if self.recompute else self.correction  # the bypass_mode loss corrects inside itself
         for rows, anchor, (masks, weights) in zip(minibatches, anchors, corrections, strict=True):
-            self._update(Minibatch.of(rows, self.policy, anchor, masks, weights), totals)
+            self._update(Minibatch.of(rows, self.policy, anchor, masks, weights, bypass=bypass), totals)
         return correction_metrics | totals.metrics()
 
     def train_shares(self, shares: list[Share]) -> StepTotals:
         """A data-parallel rank's part of a step: an update per mini-batch from its share of the rows; returns its
         sums, which the caller adds up over the ranks (StepTotals.add_rank)."""
-        totals = StepTotals(self.policy)
-        for share in shares:
-            mb = Minibatch.of(share.rows, self.policy, share.anchor, share.masks, share.is_weights, share.counts)
-            self._update(mb, totals, share.micro_batches)
+        totals = StepTotals(self.policy, lr=apply_lr(self.optimizer, self.policy.optim, self.policy.lr))
+        bypass = None if self.recompute else self.correction
+        with self.offload.active():
+            for share in shares:
+                rows, anchor, masks, weights = share.rows, share.anchor, share.masks, share.is_weights
+                mb = Minibatch.of(rows, self.policy, anchor, masks, weights, share.counts, bypass)
+                self._update(mb, totals, share.micro_batches)
         return totals
 
     def _update(self, mb: Minibatch, totals: StepTotals, passes: int = 0) -> None:
         """One optimizer update; `passes`: forward/backward passes to run in all, idle ones after the real ones."""
         self.optimizer.zero_grad(set_to_none=True)
-        slices = mb.slices(self.policy.micro_batch_size)
-        for sl in slices:
+        micro = mb.micro_batches(self.policy, at_least=passes)
+        for sl in micro:
             res = mb.loss(self._token_logprobs, sl, self.policy, self.device)
             res.total.backward()
             totals.add_micro(res)
-        for _ in range(passes - len(slices)):
+        for _ in range(passes - len(micro)):
             (self._idle_logits().sum() * 0.0).backward()  # zero gradients, but FSDP's gathers and reductions run
         grad_norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.policy.grad_clip)))
         if math.isfinite(grad_norm):
@@ -154,12 +187,19 @@ class TorchTrainer(SendsWeights):
     ) -> TokenForward:
         """Logprob of each response token under the current weights, (B, T), and its distribution's entropy when
         asked (from the same logits; with a graph only when entropy_coeff puts it in the loss). `routes`:
-        (B, S, layers * k) MoE routes to replay (stages/trainer/step.py's pad_routes)."""
+        (B, S, layers * k) MoE routes to replay (stages/trainer/step.py's pad_routes). Packed into one row with
+        model.use_remove_padding, else right-padded."""
+        if routes is not None and self.replay is None:
+            raise ValueError("routes given to a trainer built without actor.router_replay")
+        if self.execution.use_remove_padding:
+            grad = self.policy.entropy_coeff != 0
+            precision = autocast(self.device, self.compute_dtype)
+            return packed_forward(
+                self.model, prompts, responses, self.device, entropy, grad, self.replay, routes, precision
+            )
         seqs = [torch.tensor(np.concatenate([p, r]).astype(np.int64)) for p, r in zip(prompts, responses, strict=True)]
         ids = pad_sequence(seqs, batch_first=True, padding_value=self.pad).to(self.device)  # (B, S)
         attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True).to(self.device)
-        if routes is not None and self.replay is None:
-            raise ValueError("routes given to a trainer built without actor.router_replay")
         with self.replay.forcing(routes) if self.replay else contextlib.nullcontext():
             with autocast(self.device, self.compute_dtype):
                 logits = self.model(input_ids=ids, attention_mask=attn).logits
@@ -183,10 +223,14 @@ class TorchTrainer(SendsWeights):
         return TokenForward(logp, mask, ent, self.replay.replayed, self.replay.changed, self.replay.maps())
 
     @torch.no_grad()
-    def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:
-        """Response-token logprobs under the current weights, in micro-batches (proximal anchors; tests);
-        `routes`: the rows' routed_experts to replay."""
-        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.policy.micro_batch_size, routes)
+    def logprobs(
+        self, prompts: list, responses: list, routes: list | None = None, at_least: int = 1
+    ) -> list[list[float]]:
+        """Response-token logprobs under the current weights, in micro-batches cut as the proximal pass says
+        (proximal anchors; tests); `routes`: the rows' routed_experts to replay."""
+        with self.offload.active():
+            batching = self.log_prob_batching
+            return micro_batched_logprobs(self._token_logprobs, prompts, responses, batching, routes, at_least)
 
     @torch.no_grad()
     def share_logprobs(self, shares: list[tuple[dict[str, list], int]]) -> list[list[list[float]]]:
@@ -195,8 +239,8 @@ class TorchTrainer(SendsWeights):
         out = []
         for rows, passes in shares:
             routes = rows[ROUTES_COLUMN] if self.replay is not None else None
-            out.append(self.logprobs(rows["prompt_ids"], rows["response_ids"], routes))
-            for _ in range(passes - math.ceil(len(rows["response_ids"]) / self.policy.micro_batch_size)):
+            out.append(self.logprobs(rows["prompt_ids"], rows["response_ids"], routes, at_least=passes))
+            for _ in range(passes - self.log_prob_batching.count(row_tokens(rows), passes)):
                 self._idle_logits()
         return out
 
@@ -270,26 +314,6 @@ class TorchTrainer(SendsWeights):
         """Fill one parameter with a constant (tests use it to prove a push changes the engine); at DP > 1 every
         rank fills its shard."""
         fsdp.local(dict(self._named_weights())[name]).fill_(value)
-
-
-def correct_minibatches(
-    minibatches: list, anchors: list, settings: CorrectionSettings
-) -> tuple[list, dict[str, float]]:
-    """The whole step corrected at once, as verl corrects a training batch; then each mini-batch's share:
-    its rejection-masked token masks and (B, T) IS weights (None without `rollout_is`)."""
-    step = correct_step(
-        [row for anchor in anchors for row in anchor],
-        [row for mb in minibatches for row in mb["response_logprobs"]],
-        [row for mb in minibatches for row in mb["response_mask"]],
-        settings,
-    )
-    shares, start = [], 0
-    for mb in minibatches:
-        share = slice(start, start + len(mb["response_ids"]))
-        w = None if step.weights is None else step.weights[share]
-        shares.append((step.masks[share], None if w is None else pad_rows(w, max(map(len, w), default=0))))
-        start = share.stop
-    return shares, step.metrics
 
 
 def copy_side_files(model_dir: Path, out: Path) -> None:

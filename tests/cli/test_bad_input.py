@@ -98,11 +98,11 @@ def test_lengths_beyond_the_model_context(tmp_path):
 
 
 def test_unreachable_tracking_server_fails_at_start(tmp_path):
-    with socket.socket() as s:  # a loopback port nothing listens on
+    with socket.socket() as s:  # a loopback port nothing listens on: held, never listened on, until the run is done
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    start = time.monotonic()
-    msg = one_error(asyncrl("run", f"trainer.mlflow_tracking_uri=http://127.0.0.1:{port}", tmp_path=tmp_path))
+        start = time.monotonic()
+        msg = one_error(asyncrl("run", f"trainer.mlflow_tracking_uri=http://127.0.0.1:{port}", tmp_path=tmp_path))
     assert "trainer.mlflow_tracking_uri" in msg and f"127.0.0.1:{port}" in msg
     assert time.monotonic() - start < 60  # before the warm start and Ray, without minutes of retries
 
@@ -154,3 +154,27 @@ def test_a_run_name_that_holds_a_run_needs_resume_or_another_name(tmp_path):
     msg = one_error(result)
     assert "already holds a run (samples)" in msg and "resume=true" in msg and "another trainer.run_name" in msg
     assert "warm start" not in result.stdout and "Started a local Ray" not in result.stderr
+
+
+def test_audit_of_a_missing_or_unfinished_run_dir_says_what_is_missing(tmp_path):
+    def audit(run_dir: Path) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "audit", str(run_dir)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return one_error(result)
+
+    assert (
+        audit(tmp_path / "nope") == f"asyncrl: cannot audit: {tmp_path / 'nope'} is not a directory: give the run "
+        "directory (<trainer.output_dir>/<run_name>)"
+    )
+    run_dir = tmp_path / "killed"
+    (run_dir / "samples").mkdir(parents=True)  # what a run killed before its end leaves: no ledger
+    assert "has no config.yaml (the run's resolved config" in audit(run_dir)
+    (run_dir / "config.yaml").write_text("rollout:\n  n: 4\n")
+    msg = audit(run_dir)
+    assert f"{run_dir} has no admitted.parquet (the gate's ledger, written when the run finishes" in msg
+    assert "resume=true" in msg

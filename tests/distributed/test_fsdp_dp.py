@@ -12,11 +12,14 @@ at lr 1e-3). A DP = 2 checkpoint resumes bit for bit at DP = 2 and, being the si
 within the metric tolerance.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from pipeline.tasks.embedded import build_embedded
-from stages.trainer.settings import CorrectionSettings, PolicySettings
+from stages.trainer.micro_batches import MicroBatching
+from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
 
 POLICY = PolicySettings(lr=1e-3, micro_batch_size=2, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
@@ -114,3 +117,30 @@ def test_dp2_trains_with_dp1s_losses_and_its_checkpoint_resumes(ray_session, mod
         str(tmp_path / "ckpt/model"), POLICY, optimizer_state=str(tmp_path / "ckpt/optimizer.pt"), **ARGS
     )
     _assert_same_metrics(single.train_step(batch), cont, RTOL, ATOL)
+
+
+def test_dp2_packed_with_token_budgets_and_checkpointing_trains_what_dp1_padded_trains(
+    ray_session, model_dir, tmp_path
+):
+    """The same step at fsdp_size=2 with every rank packing its micro-batches, cutting them by a token budget (the
+    ranks' shares need different numbers of micro-batches: the shorter one cuts into more, as verl) and checkpointing
+    its layers, the proximal pass cut by a budget too: DP = 1's padded metrics and weights, same tolerances."""
+    from stages.trainer.fsdp_backend import FSDPTrainer
+
+    ray = ray_session
+    one = TorchTrainer(model_dir, POLICY, **ARGS)
+    batch = _minibatches(one)
+    want = one.train_step(batch)
+    budget = dataclasses.replace(POLICY, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24)
+    run = ExecutionSettings(
+        use_remove_padding=True,
+        enable_gradient_checkpointing=True,
+        log_prob=MicroBatching(2, use_dynamic_bsz=True, max_token_len=30),
+    )
+    two = ray.remote(FSDPTrainer).options(num_cpus=0).remote(model_dir, budget, fsdp_size=2, execution=run, **ARGS)
+    got = ray.get(two.train_step.remote(batch))
+    _assert_same_metrics(got, want, RTOL, ATOL)
+    got_weights = _published(ray, two, tmp_path / "packed.safetensors")
+    for name, value in _weights(one).items():
+        np.testing.assert_allclose(got_weights[name], value, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+    ray.kill(two)

@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 
 from pipeline.tasks.embedded import build_embedded
 from stages.trainer.settings import PolicySettings
-from tests.distributed.test_megatron_tp import _minibatch
+from tests.distributed.megatron_layouts import minibatch as _minibatch
 
 
 def _trainer(model_dir: str, queue, save_to: str = "", optimizer_state: str | None = None) -> None:

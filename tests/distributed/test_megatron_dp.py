@@ -12,7 +12,6 @@ micro-batches to other widths). Weights after a step: within 2e-5 absolute, a hu
 import numpy as np
 import pytest
 
-from pipeline.tasks.embedded import build_embedded
 from stages.trainer.megatron_backend import MegatronTrainer
 from stages.trainer.settings import PolicySettings
 
@@ -63,16 +62,11 @@ def _assert_same_weights(got: dict, want: dict, atol: float = WEIGHT_ATOL) -> No
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=atol, err_msg=name)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(build_embedded(tmp_path_factory.mktemp("megatron_dp"), 8, seed=5).model_dir)
-
-
-def test_dp2_and_tp2_dp2_train_with_dp1s_losses_and_a_dp2_checkpoint_resumes(ray_session, model_dir, tmp_path):
-    ray = ray_session
+def test_dp2_and_tp2_dp2_train_with_dp1s_losses_and_a_dp2_checkpoint_resumes(ray_session, megatron_one_rank, tmp_path):
+    ray, base = ray_session, megatron_one_rank
     remote = ray.remote(MegatronTrainer).options(num_cpus=0)
 
-    def trainer(tp: int = 1, dp: int = 1, model: str = model_dir, optimizer_state: str | None = None):
+    def trainer(tp: int = 1, dp: int = 1, model: str = base.model_dir, optimizer_state: str | None = None):
         return remote.remote(
             model,
             policy=POLICY,
@@ -82,13 +76,9 @@ def test_dp2_and_tp2_dp2_train_with_dp1s_losses_and_a_dp2_checkpoint_resumes(ray
             optimizer_state=optimizer_state,
         )
 
-    one = trainer()
-    batch = _minibatches(one)
-    start, meta = _published(ray, one, tmp_path / "start.safetensors"), ray.get(one.weight_meta.remote())
-    first, second = ray.get(one.train_step.remote(batch)), ray.get(one.train_step.remote(batch))
+    # DP = 1 (the session's baseline, conftest.py): two steps, its weights before and after.
+    batch, start, meta, first, second, end = base.batch, base.start, base.meta, base.first, base.second, base.end
     assert first["actor/pg_loss"] != second["actor/pg_loss"]  # the step changed the weights
-    end = _published(ray, one, tmp_path / "one.safetensors")
-    ray.kill(one)
 
     two = trainer(dp=2)
     prompts = [r for mb in batch for r in mb["prompt_ids"]]

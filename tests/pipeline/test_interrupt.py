@@ -14,18 +14,19 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.waiting import assert_gone, wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _wait_for_steps(metrics: Path, proc: subprocess.Popen, err_log: Path, steps: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended early:\n{err_log.read_text()[-3000:]}")
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"no {steps} steps in {timeout_s} s")
+    def logged() -> bool:
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= steps
+
+    def ended() -> str | None:
+        return None if proc.poll() is None else f"the run ended early:\n{err_log.read_text()[-3000:]}"
+
+    wait_until(logged, timeout_s, f"{steps} steps logged", give_up=ended)
 
 
 def _signal_state(pid: int) -> str:
@@ -74,8 +75,4 @@ def test_ctrl_c_stops_with_one_line_marks_the_run_killed_and_leaves_nothing(tmp_
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow/mlflow.db")
     (mlflow_run,) = client.search_runs([client.get_experiment_by_name("asyncrl").experiment_id])
     assert mlflow_run.info.status == "KILLED"
-    deadline = time.monotonic() + 20  # Ray's last processes exit on their own once its head is gone
-    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not left, f"processes of the run still running: {left}"
+    assert_gone(started, 20)  # Ray's last processes exit on their own once its head is gone

@@ -2,10 +2,11 @@
 what a run started in a Ray session that outlives it ends with the run."""
 
 import ipaddress
-import time
 
 import psutil
 import pytest
+
+from tests.waiting import wait_until
 
 
 def is_loopback(ip: str) -> bool:
@@ -46,7 +47,5 @@ def test_the_streams_actors_and_engines_end_with_the_run(partial_run):
                 names.append(cmdline[:60] or proc.name())
         return names
 
-    deadline = time.monotonic() + 30  # the kill reaches the processes in a moment
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left()
+    # the kill reaches the processes in a moment
+    wait_until(lambda: not left(), 30, lambda: f"the shared run's processes still running: {left()}", poll_s=0.5)

@@ -15,8 +15,6 @@ Exact ties between two experts' router probabilities could flip an id between vL
 the test asks for 99% of (token, layer) pairs to agree (measured: all of them).
 """
 
-import time
-
 import numpy as np
 import pytest
 
@@ -29,7 +27,7 @@ from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
 from stages.trainer.step import route_row_versions
 from stages.trainer.torch_backend import TorchTrainer
-from tests.pipeline.test_weight_sync import prompts
+from tests.pipeline.test_weight_sync import prompts, wait_until_decoding
 
 MIN_AGREEMENT = 0.99
 
@@ -127,8 +125,8 @@ def test_routes_survive_partial_rollout_and_match_transformers(ray_session, tmp_
 
     def generate_across_syncs(versions: tuple[int, ...]):
         pending = engine.__call__.remote(batch)  # 64 responses x 160 tokens: seconds of generation on 2 cores
-        for version in versions:  # the same new weights each time: at least one push lands mid-flight
-            time.sleep(0.25)
+        for version in versions:  # the same new weights each time, each while responses are being decoded
+            wait_until_decoding(ray, engine, pending)
             pusher.sync(version)
         return ray.get(pending)
 

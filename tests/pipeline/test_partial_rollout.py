@@ -1,15 +1,13 @@
 """Partial rollout: a sync in the middle of long responses; every token's version, and the logprobs around the switch.
 
 Long fixed-length responses (ignore_eos) are in flight when the trainer pushes changed weights (three times, the
-same weights, so that at least one push lands mid-flight whatever the machine's speed). In `abort` mode
+same weights, each once the engine is decoding responses again, so that every push lands mid-flight). In `abort` mode
 the tokens after the switch were sampled by the new weights over a recomputed prefix, so their logprobs equal the
 trainer's (which now holds the new weights) within the stated 1e-4. In both modes the tokens before the switch
 equal the old weights' logprobs (a second trainer keeps version 0). In `keep` mode the engine continues over the
 KV cache the old weights computed (PipelineRL), so after the switch the logprobs equal neither policy: the test
 checks they are nearer the new one on average.
 """
-
-import time
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from stages.generate import VLLMGenerate
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
-from tests.pipeline.test_weight_sync import TOL, prompts
+from tests.pipeline.test_weight_sync import TOL, prompts, wait_until_decoding
 
 
 @pytest.mark.slow
@@ -55,8 +53,8 @@ def test_sync_mid_response(ray_session, tmp_path, mode):
     ray.get(trainer.train_step.remote([mb]))
 
     pending = engine.__call__.remote(batch)  # 64 responses x 240 tokens: seconds of generation on 2 cores
-    for version in (1, 2, 3):  # the same new weights three times: at least one push lands mid-flight
-        time.sleep(0.25)
+    for version in (1, 2, 3):  # the same new weights three times, each while responses are being decoded
+        wait_until_decoding(ray, engine, pending)
         pusher.sync(version)
     out = ray.get(pending)
 

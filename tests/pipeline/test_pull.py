@@ -1,12 +1,20 @@
 """Pull weight sync (a parameter store, as in StreamRL): the trainer publishes each version and goes on; every
 replica loads the newest at its own safe point. Replicas run different versions at the same moment and the audit
-stays exact."""
+stays exact.
+
+The vLLM run also validates on a dedicated engine (verl's use_trainer_do_validate): an engine outside the stream
+validates each version from its weight file, and the stream's engines, pulling their weights, never generate a
+validation sample."""
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow.dataset as pds
+import pyarrow.parquet as pq
 import pytest
+
+from tests.pipeline.test_validation import SHORT
 
 SIM_CONFIG = str(Path(__file__).resolve().parents[2] / "conf" / "sim" / "toy.yaml")
 
@@ -16,23 +24,33 @@ def _loads(run_dir):
 
 
 @pytest.mark.slow
-def test_pull_with_two_vllm_replicas_passes_the_audit(run_job):
+def test_two_vllm_replicas_pull_and_a_dedicated_engine_validates(run_job):
     summary, run_dir = run_job(
         "weight_sync.mode=pull",
         "rollout.num_replicas=2",
-        "rollout.total_rollout_steps=96",  # 12 steps of 8 prompts
-        "model.warm_start_steps=50",
-        "trainer.monitor=jsonl",
+        *SHORT,  # 16 steps of 8 prompts, validated before the first step and at versions 8 and 16
+        "async_training.use_trainer_do_validate=true",
         name="pulled",
     )
-    assert summary["audit_ok"] and summary["steps"] == 12
+    assert summary["audit_ok"] and summary["steps"] == 16, (run_dir / "audit.txt").read_text()
     loads = _loads(run_dir)
-    assert {(load["replica"], load["version"]) for load in loads} >= {(0, 12), (1, 12)}  # both reached the last
+    assert {(load["replica"], load["version"]) for load in loads} >= {(0, 16), (1, 16)}  # both reached the last
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["sync/trainer_blocked_s"] < 5.0 for r in rows)  # a file write, not a round trip to the engines
     samples = pds.dataset(str(run_dir / "samples")).to_table(columns=["replica", "param_version_end"]).to_pylist()
+    assert len(samples) == 128 * 8 and {s["replica"] for s in samples} == {0, 1}  # no validation sample here
     for replica in (0, 1):  # each replica generated with weights it pulled, not only the initial ones
         assert max(s["param_version_end"] for s in samples if s["replica"] == replica) >= 1
+
+    passes = [json.loads(line) for line in (run_dir / "validation" / "metrics.jsonl").read_text().splitlines()]
+    assert [int(p["val/version"]) for p in passes] == [0, 8, 16]
+    for version in (0, 8, 16):
+        table = pq.read_table(run_dir / "validation" / f"version-{version:06d}.parquet")
+        assert table.num_rows == 16 * 2
+        assert set(table["replica"].to_pylist()) == {-1}  # the dedicated engine
+        assert {v for tokens in table["token_param_version"].to_pylist() for v in tokens} == {version}
+    assert sum("val/trainer_blocked_s" in r for r in rows) == 2  # versions 8 and 16 (0: before the first step)
+    assert not Path(f"/dev/shm/asyncrl-dedicated-{os.getpid()}").exists()  # the weight files are gone
 
 
 @pytest.mark.slow

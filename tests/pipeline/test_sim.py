@@ -44,18 +44,24 @@ def test_sim_times_match_the_closed_forms(run_job):
     samples = pds.dataset(str(run_dir / "samples")).to_table().to_pylist()
     gen = (1 + 100 * 0.1) * 0.02
     assert all(s["num_tokens"] == 100 for s in samples)
-    # asyncio may wake a timer up to its clock resolution early, and late by its scheduling: 1% and 15%
-    assert all(0.99 * gen <= s["gen_latency_s"] < gen * 1.15 for s in samples)
+    # A timer never fires early (asyncio: by more than its clock's resolution, 1% here), so every measurement is at
+    # least its closed form. A loaded machine delays some of them by any amount, never all alike: the fastest of
+    # each kind is the closed form plus the least delay, and a wrong formula (say prefill counted per token, or
+    # twice) would move that one too. Hence lower bounds on every value, upper bounds on the fastest only.
+    assert min(s["gen_latency_s"] for s in samples) >= 0.99 * gen
+    assert min(s["gen_latency_s"] for s in samples) < 1.05 * gen
     rows = _rows(run_dir)
     train = 4 * 4 * 100 * 0.02 * 0.02
-    assert all(train <= r["timing/train_s"] < train * 1.05 for r in rows)
-    assert all(0.99 * 2 * 0.02 <= r["sync/transfer_s"] < 2 * 0.02 * 1.5 for r in rows)
-    # A synchronous step is generation + training + sync, and Ray Data's hand-offs between stages on top:
-    # never faster than the closed form, and the overhead is what bench/overhead.py measures.
+    assert min(r["timing/train_s"] for r in rows) >= train
+    assert min(r["timing/train_s"] for r in rows) < 1.05 * train
+    assert min(r["sync/transfer_s"] for r in rows) >= 0.99 * 2 * 0.02
+    assert min(r["sync/transfer_s"] for r in rows) < 1.25 * 2 * 0.02
+    # A synchronous step is generation + training + sync, and Ray Data's hand-offs between stages on top: never
+    # faster than the closed form, and the fastest step within 1.5 s of it (what the hand-offs cost is
+    # bench/overhead.py's measurement).
     ends = [r["timing/elapsed_s"] for r in rows]
     steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-    assert min(steps) >= gen + train + 2 * 0.02
-    assert sum(steps) / len(steps) < gen + train + 2 * 0.02 + 1.5
+    assert gen + train + 2 * 0.02 <= min(steps) < gen + train + 2 * 0.02 + 1.5
 
 
 @pytest.mark.slow

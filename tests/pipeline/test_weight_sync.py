@@ -19,6 +19,7 @@ from stages.generate import VLLMGenerate
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
+from tests.waiting import wait_until
 
 TOL = 1e-4
 
@@ -35,6 +36,28 @@ def prompts(tokenizer, texts: list[str]) -> pa.Table:
             "admitted_version": pa.array([0] * len(texts), pa.int64()),
             "admitted_time": [time.time()] * len(texts),
         }
+    )
+
+
+def decoding(ray, engine) -> int:
+    """How many of the engine's requests are past their first token (vLLM's per-request state, read in the Generate
+    actor's process): a weight sync pushed now lands in the middle of responses."""
+
+    def count(stage) -> int:
+        states = list(stage.replica.engine.llm.output_processor.request_states.values())
+        return sum(not state.is_prefilling for state in states)
+
+    return ray.get(engine.__ray_call__.remote(count))
+
+
+def wait_until_decoding(ray, engine, pending) -> None:
+    """Wait until the engine decodes some of `pending`'s responses; fails if the call ends first."""
+    wait_until(
+        lambda: decoding(ray, engine),
+        300,
+        "the engine decoding the call's responses",
+        poll_s=0.02,
+        give_up=lambda: "the call ended before" if ray.wait([pending], timeout=0)[0] else None,
     )
 
 

@@ -163,3 +163,45 @@ def test_empty_response_keeps_its_score():
     out = RLOOAdvantage(group_size=2)(block(["a", "a"], [1.0, 0.0], [[], [1]]))
     assert adv(out) == pytest.approx([1.0, -1.0]) and out["token_advantages"].to_pylist()[0] == []
     assert np.isfinite(adv(out)).all()
+
+
+# --- verl's other critic-free estimators ----------------------------------------------------------------------------
+def test_rloo_vectorized_by_hand_and_its_group_of_one():
+    from stages.advantage import RLOOVectorizedAdvantage
+
+    # (n s - sum) / (n - 1): [(3 - 2) / 2, (0 - 2) / 2, (3 - 2) / 2], as rloo; a group of one gives 0 here
+    out = RLOOVectorizedAdvantage(group_size=3)(block(["a"] * 3, [1.0, 0.0, 1.0], [[1]] * 3))
+    assert adv(out) == pytest.approx([0.5, -1.0, 0.5])
+    assert adv(RLOOVectorizedAdvantage(group_size=1)(block(["a"], [0.7], [[1, 1]]))) == [0.0]
+
+
+def test_grpo_passk_only_the_best_response_learns():
+    from stages.advantage import GRPOPassKAdvantage
+
+    # scores (0.2, 0.9, 0.5): the best, 0.9, gets 0.9 - 0.5 over the unbiased std (0.35119), the others 0
+    std = float(np.std([0.2, 0.9, 0.5], ddof=1))
+    out = GRPOPassKAdvantage(group_size=3)(block(["a"] * 3, [0.2, 0.9, 0.5], [[1]] * 3))
+    assert adv(out) == pytest.approx([0.0, 0.4 / (std + 1e-6), 0.0], abs=1e-6)
+    raw = GRPOPassKAdvantage(group_size=3, norm_by_std=False)(block(["a"] * 3, [1.0, 1.0, 0.0], [[1]] * 3))
+    assert adv(raw) == pytest.approx([0.0, 0.0, 0.0])  # a tie at the top: r_max - r_second = 0
+    with pytest.raises(ValueError, match="rollout.n >= 2"):
+        GRPOPassKAdvantage(group_size=1)(block(["a"], [0.5], [[1]]))
+
+
+def test_opo_length_weighted_baseline_by_hand():
+    from stages.advantage import OPOAdvantage
+
+    # lengths (3 trained tokens, 1): baseline (3 * 1 + 1 * 0) / 4 = 0.75; a group of one has baseline 0
+    out = OPOAdvantage(group_size=2)(block(["a", "a"], [1.0, 0.0], [[1, 1, 1], [0, 1]]))
+    assert adv(out) == pytest.approx([0.25, -0.75])
+    assert adv(OPOAdvantage(group_size=1)(block(["a"], [0.5], [[1]]))) == pytest.approx([0.5])
+
+
+def test_gpg_centres_each_group_and_scales_over_the_step():
+    from stages.advantage import GPGAdvantage
+
+    step = GPGAdvantage(group_size=2)(block(["a", "a", "b", "b"], [1.0, 0.0, 0.0, 0.0], [[1, 1], [1], [1], [1]]))
+    assert adv(step) == pytest.approx([0.5, -0.5, 0.0, 0.0])  # s - the group's mean
+    scaled = GPGAdvantage.over_step(step)  # alpha = 4 rows / 1 nonzero reward
+    assert adv(scaled) == pytest.approx([2.0, -2.0, 0.0, 0.0])
+    assert scaled["token_advantages"].to_pylist()[0] == pytest.approx([2.0, 2.0])

@@ -80,10 +80,16 @@ class FakeEngine:
         self.version, self.requests, self.emitted = 0, [], 0
         self.running = asyncio.Event()
         self.running.set()
+        self.waiting = asyncio.Event()  # set once a request or an agent loop waits for a sync to end
         self.abort_after: int | None = None
 
+    async def _until_running(self) -> None:
+        if not self.running.is_set():
+            self.waiting.set()
+        await self.running.wait()
+
     async def segment(self, context, max_tokens, request_id):
-        await self.running.wait()  # a paused engine queues the request
+        await self._until_running()  # a paused engine queues the request
         self.requests.append((request_id, len(context), max_tokens))
         turn = self.turns[0]
         want = min(max_tokens, self.abort_after if self.abort_after is not None else len(turn))
@@ -106,7 +112,7 @@ class FakeEngine:
     async def wait_running(self):
         if self.running.is_set():
             return False
-        await self.running.wait()
+        await self._until_running()
         return True
 
     def sync(self):
@@ -128,7 +134,7 @@ def test_single_turn_resumes_an_aborted_request_with_the_new_weights():
     async def go():
         loop = SingleTurnAgentLoop(engine, max_tokens=64)
         task = asyncio.create_task(loop.run([1, 2, 3], "p/0"))
-        await asyncio.sleep(0.01)  # first segment: 5 tokens at version 0, then the sync aborts it
+        await engine.waiting.wait()  # first segment: 5 tokens at version 0, then the sync aborts it
         assert not engine.running.is_set() and len(engine.requests) == 1  # the resubmitted request waits
         engine.resume()
         return await task
@@ -191,7 +197,7 @@ def test_tool_agent_pauses_while_a_tool_runs_and_resumes_with_the_new_weights():
         await tool.started.wait()  # PROCESSING_TOOLS: the tool is running
         engine.sync()  # a sync starts: it does not wait for the tool
         tool.release.set()  # the tool finishes during the sync
-        await asyncio.sleep(0.01)
+        await engine.waiting.wait()
         assert not task.done() and len(engine.requests) == 1  # the loop waits for the sync to end
         engine.resume()
         return await task
@@ -211,7 +217,7 @@ def test_tool_agent_pauses_in_generating_and_resumes_the_partial_turn():
 
     async def go():
         task = asyncio.create_task(tool_loop(engine, {"calculator": calculator}).run([5], "p/0"))
-        await asyncio.sleep(0.01)  # 10 tokens of the call at version 0, then the sync aborts the request
+        await engine.waiting.wait()  # 10 tokens of the call at version 0, then the sync aborts the request
         assert not engine.running.is_set() and len(engine.requests) == 1
         engine.resume()
         return await task
@@ -265,26 +271,33 @@ def test_tool_agent_limits_turns_calls_and_tokens():
 def test_the_loss_ignores_masked_tool_tokens():
     import torch
 
-    from stages.trainer.loss import ppo_clip_loss
+    from stages.trainer.loss import AggCounts
+    from stages.trainer.policy_loss import LossInputs
+    from stages.trainer.policy_loss.clip import vanilla
+    from stages.trainer.settings import PolicySettings
 
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]])  # (1, 5): two tool-result tokens in the middle
     old = torch.tensor([[-0.5, -0.5, 0.0, 0.0, -0.5]])  # their behaviour logprob is 0.0, as the loop writes it
-    args = (old, torch.tensor([1.0]), mask, 0.2, 0.28, "token-mean", 3.0)
+
+    def loss_of(logp: torch.Tensor) -> torch.Tensor:
+        x = LossInputs(logp, old, torch.ones(1, 5), mask, AggCounts(3, 1, 5), "token-mean")
+        return vanilla(x, PolicySettings(clip_ratio_high=0.28)).loss
+
     logp = torch.tensor([[-0.4, -0.6, -3.0, -7.0, -0.5]], requires_grad=True)
-    loss = ppo_clip_loss(logp, *args).loss
+    loss = loss_of(logp)
     loss.backward()
     assert logp.grad[0, 2] == 0.0 and logp.grad[0, 3] == 0.0 and logp.grad[0, 0] != 0.0
     other = torch.tensor([[-0.4, -0.6, -0.1, -0.2, -0.5]])
-    assert torch.isclose(ppo_clip_loss(other, *args).loss, loss.detach())
+    assert torch.isclose(loss_of(other), loss.detach())
 
 
 def test_the_audit_checks_that_per_token_columns_line_up():
     import pyarrow as pa
 
-    from pipeline.observe.audit import _per_token_columns
+    from pipeline.observe.audit_tokens import per_token_columns
 
-    good = {"num_tokens": 3, "response_ids": [1, 2, 3], "response_logprobs": [-0.1, 0.0, -0.2]}
+    good = {"sample_id": "p/0", "num_tokens": 3, "response_ids": [1, 2, 3], "response_logprobs": [-0.1, 0.0, -0.2]}
     good |= {"token_param_version": [0, 1, 1], "response_mask": [1, 0, 1]}
-    assert _per_token_columns(pa.Table.from_pylist([good])).ok
+    assert per_token_columns(pa.Table.from_pylist([good])).ok
     for bad in ({**good, "response_logprobs": [-0.1, -0.3, -0.2]}, {**good, "response_mask": [1, 0]}):
-        assert not _per_token_columns(pa.Table.from_pylist([good, bad])).ok
+        assert not per_token_columns(pa.Table.from_pylist([good, bad])).ok

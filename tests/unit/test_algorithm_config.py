@@ -69,8 +69,8 @@ def test_verl_grpo_example_keys_load():
 
 
 def test_unknown_estimator_names_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"adv_estimator.*'gae'.*grpo.*rloo.*reinforce_plus_plus_baseline"):
-        load_config(None, ["algorithm.adv_estimator=gae"])
+    with pytest.raises(ConfigError, match=r"adv_estimator.*'gae_plus'.*grpo.*rloo.*reinforce_plus_plus_baseline"):
+        load_config(None, ["algorithm.adv_estimator=gae_plus"])
     with pytest.raises(ConfigError, match=r"Did you mean 'rloo'"):
         load_config(None, ["algorithm.adv_estimator=rlo"])
 
@@ -83,7 +83,10 @@ def test_adaptive_kl_controller_is_refused():
 
 
 def test_the_literals_match_the_code():
-    assert set(get_args(AdvEstimator)) == set(ESTIMATORS)
+    from pipeline.config.schema import REFUSED_ESTIMATORS
+
+    assert set(get_args(AdvEstimator)) == set(ESTIMATORS) | set(REFUSED_ESTIMATORS)
+    assert not set(ESTIMATORS) & set(REFUSED_ESTIMATORS)
     assert set(get_args(KLType)) == set(KL_TYPES_ALL)
 
 
@@ -94,6 +97,7 @@ def test_the_literals_match_the_code():
         ("rloo", RLOOAdvantage, False),
         ("reinforce_plus_plus", ReinforcePlusPlusAdvantage, True),
         ("reinforce_plus_plus_baseline", ReinforcePlusPlusBaselineAdvantage, True),
+        ("grpo_vectorized", GRPOAdvantage, False),
     ],
 )
 def test_adv_estimator_picks_the_class(name, cls, whitened):
@@ -161,3 +165,26 @@ def test_reward_kl_metrics_only_with_the_column():
     m = reward_kl_metrics(table, 0.001)
     assert m["actor/reward_kl_penalty"] == pytest.approx(0.2) and m["actor/reward_kl_penalty_coeff"] == 0.001
     assert reward_kl_metrics(pa.table({"reward": [1.0]}), 0.001) == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "needs"),
+    [
+        ("gae", "a critic"),
+        ("remax", "a greedy baseline rollout"),
+        ("optimal_token_baseline", "the trainer's sum of squared token probabilities"),
+        ("tir_optimal_token_baseline", "the trainer's sum of squared token probabilities"),
+        ("gdpo", "several reward components"),
+    ],
+)
+def test_an_estimator_that_needs_what_the_stream_lacks_names_it(name, needs):
+    with pytest.raises(ConfigError, match=f"adv_estimator={name} needs {needs}"):
+        load_config(None, [f"algorithm.adv_estimator={name}"])
+
+
+def test_gpg_scales_over_the_step():
+    from pipeline.stream import step_transform
+    from stages.advantage import GPGAdvantage
+
+    assert step_transform(load_config(None, ["algorithm.adv_estimator=gpg"])) == GPGAdvantage.over_step
+    assert step_transform(load_config(None, ["algorithm.adv_estimator=opo"])) is None

@@ -14,16 +14,23 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def settle() -> None:
+    """Let every task this loop can run take its turn: a waiter still pending afterwards is blocked, not late (no
+    other thread or process is involved, so there is nothing to wait for but the loop's own ready queue)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
 def test_admission_budget_and_reset_at_sync():
     async def scenario():
         clock = VersionClock(StalenessBudget(0.5, 1, 1, 4), num_replicas=1)  # B = 6 per version
         v, got = await clock.acquire([f"p{i}" for i in range(10)])
         assert (v, got) == (0, [f"p{i}" for i in range(6)])
         waiter = asyncio.create_task(clock.acquire(["p6", "p7"]))
-        await asyncio.sleep(0.05)
+        await settle()
         assert not waiter.done()  # budget spent: the gate blocks
         await clock.consumed(["p0", "p1", "p2", "p3"])
-        await asyncio.sleep(0.05)
+        await settle()
         assert not waiter.done()  # consumption alone does not refill verl's counter
         await clock.pause_admission()
         await clock.finish_sync(1)  # 2 outstanding carry over: 6 - 2 = 4 permits
@@ -43,7 +50,7 @@ def test_paused_clock_admits_nothing_until_the_sync_finishes():
         clock = VersionClock(StalenessBudget(1.0, 1, 1, 4), num_replicas=1)
         await clock.pause_admission()
         waiter = asyncio.create_task(clock.acquire(["a"]))
-        await asyncio.sleep(0.05)
+        await settle()
         assert not waiter.done()
         await clock.finish_sync(1)
         assert await asyncio.wait_for(waiter, 1) == (1, ["a"])

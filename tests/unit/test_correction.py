@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from stages.trainer.correction import correct_step
-from stages.trainer.loss import ppo_clip_loss
-from stages.trainer.settings import CorrectionSettings
+from stages.trainer.loss import AggCounts
+from stages.trainer.policy_loss import LossInputs
+from stages.trainer.policy_loss.clip import vanilla
+from stages.trainer.settings import CorrectionSettings, PolicySettings
 
 
 def _rows(log_ratios, behaviour=-1.0):
@@ -30,21 +32,25 @@ WORKED = _rows([[math.log(3), math.log(0.25), 0.0], [math.log(1.2)], []])
 
 def test_token_is_worked_example():
     out = correct_step(*WORKED, CorrectionSettings(rollout_is="token", rollout_is_threshold=2.0))
+    w = [2.0, 0.25, 1.0, 1.2]  # the applied weights: 3 truncated at 2
+    mean, mean_sq = sum(w) / 4, sum(v * v for v in w) / 4
+    q = [(2.0 + 0.25 + 1.0) / 3, 1.2, 0.0]  # per-row mean of the applied weights, the empty row 0
+    q_mean = sum(q) / 3
     expected = {
-        "rollout_is_mean": 5.45 / 4,  # mmean of the untruncated weights
-        "rollout_is_ratio_fraction_high": 0.25,  # 3 > 2
-        "rollout_is_ratio_fraction_low": 0.25,  # 0.25 < 1/2
-        "rollout_is_max": 3.0,
+        "rollout_is_mean": mean,  # of the applied (truncated) weights, as verl
+        "rollout_is_ratio_fraction_high": 0.25,  # raw 3 > 2
+        "rollout_is_ratio_fraction_low": 0.25,  # raw 0.25 < 1/2
+        "rollout_is_max": 2.0,
         "rollout_is_min": 0.25,
-        "rollout_is_std": 0.540255,  # population std of [2, 0.5, 1, 1.2]: clamped to [1/thr, thr]
-        "rollout_is_eff_sample_size": 0.825486,  # 1 / mean((w / mean w)^2) on the same clamped values
-        "rollout_is_seq_mean": 0.872222,  # q = per-row mean weight = [4.25/3, 1.2, 0] over all 3 rows
-        "rollout_is_seq_std": 0.763096,  # unbiased
-        "rollout_is_seq_max": 1.416667,
+        "rollout_is_std": math.sqrt(mean_sq - mean**2),  # population std of the applied weights
+        "rollout_is_eff_sample_size": mean**2 / mean_sq,  # 1 / mean((w / mean w)^2)
+        "rollout_is_seq_mean": q_mean,
+        "rollout_is_seq_std": math.sqrt(sum((v - q_mean) ** 2 for v in q) / 2),  # unbiased
+        "rollout_is_seq_max": 1.2,
         "rollout_is_seq_min": 0.0,
         "rollout_is_seq_max_deviation": 1.0,  # max |q - 1|, from the empty row
-        "rollout_is_seq_fraction_high": 0.0,
-        "rollout_is_seq_fraction_low": 1 / 3,
+        "rollout_is_seq_fraction_high": 0.0,  # raw row means (4.25 / 3, 1.2, 0) against 2
+        "rollout_is_seq_fraction_low": 1 / 3,  # and against 1/2
     }
     for name, value in expected.items():
         assert _metric(out, name) == pytest.approx(value, abs=1e-6), name
@@ -59,7 +65,21 @@ def test_token_is_batch_normalize_divides_by_the_truncated_token_mean():
     out = correct_step(*WORKED, settings)
     assert _metric(out, "rollout_is_batch_norm_factor") == pytest.approx(4.45 / 4)  # (2 + 0.25 + 1 + 1.2) / 4
     assert np.allclose(out.weights[0], [1.797753, 0.224719, 0.898876]) and np.allclose(out.weights[1], [1.078652])
-    assert _metric(out, "rollout_is_mean") == pytest.approx(1.3625)  # metrics stay on the raw weights
+    assert _metric(out, "rollout_is_mean") == pytest.approx(4.45 / 4)  # metrics: the weights before normalising
+
+
+def test_icepop_zeroes_the_weights_outside_lo_hi():
+    out = correct_step(*WORKED, CorrectionSettings(rollout_is="token", rollout_is_threshold="0.5_2.0"))
+    # raw [3, 0.25, 1, 1.2]: 3 and 0.25 fall outside [0.5, 2] and become 0; the others stay as they are
+    assert [w.tolist() for w in out.weights] == [[0.0, 0.0, 1.0], [pytest.approx(1.2)], []]
+    assert _metric(out, "rollout_is_oob_ratio") == pytest.approx(0.5)
+    assert _metric(out, "rollout_is_mean") == pytest.approx(2.2 / 4)
+    assert (_metric(out, "rollout_is_max"), _metric(out, "rollout_is_min")) == (pytest.approx(1.2), 0.0)
+    assert _metric(out, "rollout_is_ratio_fraction_low") == pytest.approx(0.25)  # against lo, not 1 / hi
+    seq = correct_step(*WORKED, CorrectionSettings(rollout_is="sequence", rollout_is_threshold="0.8_1.5"))
+    assert np.allclose(seq.weights[0], [0.0] * 3) and np.allclose(seq.weights[1], [1.2])  # 0.75 < 0.8
+    with pytest.raises(ValueError, match=r"'lo_hi' needs lo <= hi"):
+        CorrectionSettings(rollout_is="token", rollout_is_threshold="2.0_0.5")
 
 
 def test_sequence_is_worked_example():
@@ -84,7 +104,7 @@ def test_sequence_is_truncates_the_product():
     out = correct_step(*_rows([[math.log(3), math.log(2)]]), CorrectionSettings(rollout_is="sequence"))
     assert np.allclose(out.weights[0], [2.0, 2.0])  # 3 * 2 = 6, truncated at 2
     assert _metric(out, "rollout_is_max") == pytest.approx(6.0)
-    assert _metric(out, "rollout_is_ratio_fraction_high") == 1.0
+    assert _metric(out, "rollout_is_ratio_fraction_high") == pytest.approx(1.0)
 
 
 # Log ratios for the rejection modes. Per token: k1 = -l, k2 = l^2 / 2, k3 = e^l - 1 - l.
@@ -245,7 +265,8 @@ def test_padding_and_masked_tokens_never_count():
 def test_extreme_ratios_stay_finite():
     out = correct_step([[0.0]], [[-1000.0]], [[1.0]], CorrectionSettings(rollout_is="token", rollout_is_threshold=5))
     assert out.weights[0].tolist() == [5.0]
-    assert _metric(out, "rollout_is_max") == pytest.approx(math.exp(20))  # safety-clamped at +-20
+    assert _metric(out, "rollout_is_max") == 5.0  # the applied weight; the raw one safety-clamped at e^20
+    assert _metric(out, "rollout_is_ratio_fraction_high") == pytest.approx(1.0)
     assert all(math.isfinite(v) for k, v in out.metrics.items() if "rollout_is" in k)
 
 
@@ -255,19 +276,21 @@ def test_a_step_without_trained_tokens_passes_through():
     assert [w.tolist() for w in out.weights] == [[0.0], []]
 
 
-def test_ess_never_exceeds_one_on_many_near_equal_weights():
+def test_ess_of_near_equal_weights_is_one():
     rng = np.random.default_rng(0)
     beh = np.log(rng.random((64, 128)) * 0.9 + 0.05)
     prox = beh + 1e-4 * rng.standard_normal((64, 128))  # ratios all ~1
     out = correct_step(list(prox), list(beh), [[1.0] * 128] * 64, CorrectionSettings(rollout_is="token"))
-    assert 0.99 < _metric(out, "rollout_is_eff_sample_size") <= 1.0
+    # (0, 1] by Cauchy-Schwarz; verl's 1e-8 guard in the normalisation lifts equal weights a hair above 1, as here
+    assert _metric(out, "rollout_is_eff_sample_size") == pytest.approx(1.0, abs=1e-6)
 
 
 def test_is_weights_scale_the_token_loss():
     logp = torch.zeros(1, 3, requires_grad=True)
     weights = torch.tensor([[1.5, 0.5, 2.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    res = ppo_clip_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 0.2, 0.28, "token-mean", 2.0, weights)
+    x = LossInputs(logp, torch.zeros(1, 3), torch.ones(1, 3), mask, AggCounts(2, 1, 3), "token-mean", weights)
+    res = vanilla(x, PolicySettings(clip_ratio_high=0.28))
     assert res.loss.item() == pytest.approx(-(1.5 + 0.5) / 2)  # ratio 1, advantage 1: -w per trained token
     res.loss.backward()
     assert np.allclose(logp.grad.detach().numpy(), [[-0.75, -0.25, 0.0]])
@@ -278,6 +301,7 @@ def test_is_weights_scale_the_token_loss():
     [
         ({"rollout_is": "tokens"}, "rollout_is must be one of"),
         ({"rollout_is_threshold": 0.0}, "rollout_is_threshold must be > 0"),
+        ({"rollout_is_threshold": "two"}, "is a number or 'lo_hi'"),
         ({"rollout_is_batch_normalize": True}, "set algorithm.rollout_correction.rollout_is"),
         ({"rollout_rs": "token_k1"}, "rollout_rs needs algorithm.rollout_correction.rollout_rs_threshold"),
         ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": "2"}, r"unknown option 'seq_max_k1'.*seq_max_k2"),

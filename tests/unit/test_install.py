@@ -30,6 +30,7 @@ def _registry_reachable() -> bool:
 
 
 @pytest.mark.network
+@pytest.mark.timeout(1900)  # past the download's own 1800 s; the unit folder's 300 s would end it
 @pytest.mark.parametrize(
     ("extra", "pins"),
     [

@@ -1,4 +1,5 @@
-"""The actor loss's pieces (stages/trainer/loss.py) against values worked out by hand from verl's definitions."""
+"""The actor loss's pieces (stages/trainer/loss.py: aggregation, entropy) against values worked out by hand from
+verl's definitions; the policy losses themselves are tests/unit/test_policy_loss.py's."""
 
 import math
 import threading
@@ -6,42 +7,20 @@ import threading
 import pytest
 import torch
 
-from stages.trainer.loss import AggCounts, agg_loss, entropy_from_logits, ppo_clip_loss
-
-# SPEC §1's worked example: one row, 5 trained tokens, eps 0.2, c 3.
-RATIOS = [1.5, 0.5, 0.5, 5.0, 1.0]
-ADV = [1.0, 1.0, -1.0, -1.0, 2.0]
-
-
-def _example(logp: torch.Tensor, agg: str = "token-mean", denominator: float = 5.0):
-    old = torch.zeros(1, 5)
-    return ppo_clip_loss(logp, old, torch.tensor([ADV]), torch.ones(1, 5), 0.2, 0.2, agg, denominator, clip_c=3.0)
-
-
-def test_vanilla_loss_with_dual_clip_on_the_worked_example():
-    out = _example(torch.log(torch.tensor([RATIOS])))
-    # t0: -min(1.5, 1.2) = -1.2; t1: -min(0.5, 0.8)... = -0.5; t2 (A<0): max(0.5, 0.8) = 0.8;
-    # t3 (A<0): max(5, 1.2) = 5 capped by the dual clip at c = 3; t4: -2 * 1 = -2.
-    assert out.per_token[0].tolist() == pytest.approx([-1.2, -0.5, 0.8, 3.0, -2.0])
-    assert out.loss.item() == pytest.approx(0.02)  # (-1.2 - 0.5 + 0.8 + 3 - 2) / 5
-    assert out.clipped_tokens / out.tokens == pytest.approx(0.4)  # t0, t2 (L2 > L1 strictly)
-    assert out.dual_clipped_tokens / out.tokens == pytest.approx(0.2)  # t3
-    assert out.kl_sum / out.tokens == pytest.approx(-0.125722, abs=1e-6)  # mean(old - new) = -mean(ln r)
-
-
-def test_a_dual_clipped_token_has_no_gradient():
-    logp = torch.log(torch.tensor([RATIOS])).requires_grad_()
-    _example(logp).loss.backward()
-    # d/dlogp of -A r / 5 = -A r / 5 where no clip is active; 0 on t0 (clipped), t2 (clipped), t3 (dual clip).
-    assert logp.grad[0].tolist() == pytest.approx([0.0, -0.1, 0.0, 0.0, -0.4])
+from stages.trainer.loss import AggCounts, agg_loss, entropy_from_logits
+from stages.trainer.policy_loss import LossInputs, PolicyLoss
+from stages.trainer.policy_loss.clip import vanilla
+from stages.trainer.settings import PolicySettings
 
 
 def test_the_log_ratio_is_clamped_before_exp():
-    logp = torch.tensor([[30.0]], requires_grad=True)  # ratio e^30 would be e^20 after the clamp
-    out = ppo_clip_loss(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), 0.2, 0.2, "token-mean", 1.0)
-    assert out.loss.item() == pytest.approx(3.0)  # dual clip at c = 3
-    assert out.ratio_sum == pytest.approx(math.exp(20.0), rel=1e-5)
-    assert out.kl_sum == pytest.approx(-20.0)
+    logp = torch.tensor([[30.0]], dtype=torch.float64, requires_grad=True)  # ratio e^30 would be e^20 after it
+    old, adv, mask = torch.zeros(1, 1, dtype=torch.float64), -torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1)
+    x = LossInputs(logp, old, adv, mask, AggCounts(1, 1, 1), "token-mean")
+    record = PolicyLoss.of(vanilla(x, PolicySettings()), x)
+    assert record.loss.item() == pytest.approx(3.0)  # dual clip at c = 3
+    assert record.ratio_sum == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert record.sums["actor/ppo_kl"] == pytest.approx(-20.0)
 
 
 # SPEC §2's example: B = 3, L = 4, the last row fully masked; row sums 6 and 11, 17 in all.
@@ -60,9 +39,12 @@ M = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
         ("seq-mean-token-sum", AggCounts(tokens=5, sequences=3, scale_factor=4), 17 / 3),
         ("seq-mean-token-sum", AggCounts(tokens=10, sequences=6, scale_factor=4, dp_size=2), 17 / 6 * 2),
         ("seq-mean-token-mean", AggCounts(tokens=5, sequences=3, scale_factor=4), (6 / 3 + 11 / 2) / 3),
-        # seq-mean-token-sum-norm: 17 / loss_scale_factor (the padded width 4, or a given 2), no dp factor
-        ("seq-mean-token-sum-norm", AggCounts(tokens=5, sequences=3, scale_factor=4), 4.25),
-        ("seq-mean-token-sum-norm", AggCounts(tokens=10, sequences=6, scale_factor=2, dp_size=2), 8.5),
+        # token-sum: the sum itself, times dp_size (each rank's share, averaged over the ranks)
+        ("token-sum", AggCounts(tokens=5, sequences=3, scale_factor=4), 17.0),
+        ("token-sum", AggCounts(tokens=10, sequences=6, scale_factor=4, dp_size=2), 34.0),
+        # seq-mean-token-sum-norm: seq-mean-token-sum, then / loss_scale_factor (the padded width 4, or a given 2)
+        ("seq-mean-token-sum-norm", AggCounts(tokens=5, sequences=3, scale_factor=4), 17 / 3 / 4),
+        ("seq-mean-token-sum-norm", AggCounts(tokens=10, sequences=6, scale_factor=2, dp_size=2), 17 / 6 * 2 / 2),
     ],
 )
 def test_every_aggregation_mode_with_a_fully_masked_row(mode, counts, expected):
@@ -75,8 +57,8 @@ def test_values_off_the_mask_cannot_leak():
 
 
 def test_an_unknown_aggregation_is_an_error():
-    with pytest.raises(ValueError, match="loss_agg_mode 'token-sum'"):
-        AggCounts(1, 1, 1).denominator("token-sum")
+    with pytest.raises(ValueError, match="loss_agg_mode 'seq-sum'"):
+        AggCounts(1, 1, 1).denominator("seq-sum")
     with pytest.raises(ValueError, match="loss_agg_mode"):
         agg_loss(X, M, "sum", 1.0)
 

@@ -34,11 +34,12 @@ def test_bad_values_are_one_clear_error(override, message):
         load_config(None, ["trainer.backend=megatron", override])
 
 
-def test_megatron_refuses_rollout_correction():
-    overrides = ["async_training.compute_prox_log_prob=true", "algorithm.rollout_correction.rollout_is=token"]
-    load_config(None, overrides)  # fine with the torch trainer
-    with pytest.raises(ConfigError, match="not supported by trainer.backend=megatron"):
-        load_config(None, ["trainer.backend=megatron", *overrides])
+def test_megatron_takes_rollout_correction_in_both_modes():
+    rc = "algorithm.rollout_correction"
+    decoupled = load_config(None, ["trainer.backend=megatron", f"{rc}.bypass_mode=false", f"{rc}.rollout_is=token"])
+    assert decoupled.async_training.compute_prox_log_prob and decoupled.actor.policy_loss.loss_mode == "vanilla"
+    bypass = load_config(None, ["trainer.backend=megatron", f"{rc}.rollout_is=token"])
+    assert bypass.actor.policy_loss.loss_mode == "bypass_mode"
 
 
 @pytest.mark.parametrize("preset", sorted((CONF_DIR / "gpu").glob("*.yaml")), ids=lambda p: p.name)

@@ -34,3 +34,22 @@ def test_stale_counts_accumulate_and_partial_counts_reset_at_sync():
     m = c.update(batch([("d", 3, 3)]), version=3)
     assert m["fully_async/partial/total_partial_num"] == 0 and m["fully_async/partial/max_partial_span"] == 0
     assert m["fully_async/count/stale_trajectory_processed"] == 2  # run totals are not reset by a sync
+
+
+def test_reward_extra_info_numbers_are_averaged_per_key():
+    import json
+
+    from pipeline.observe.metrics import reward_extra_metrics
+
+    extras = [
+        {"acc": 1.0, "overlong": True, "overlong_reward": -0.5, "source": "math"},
+        {"acc": 0.0, "overlong": False, "overlong_reward": 0.0},
+        None,  # scoring failed
+        {"acc": 1.0, "bad": float("nan")},
+    ]
+    table = pa.table({"reward_extra_info": [None if e is None else json.dumps(e) for e in extras]})
+    assert reward_extra_metrics(table) == {
+        "reward_extra/acc/mean": pytest.approx(2 / 3),
+        "reward_extra/overlong/mean": 0.5,  # of the samples that have the key
+        "reward_extra/overlong_reward/mean": -0.25,
+    }

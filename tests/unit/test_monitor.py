@@ -1,5 +1,7 @@
 """Monitors against real MLflow stores: a sqlite file in tmp_path and a real `mlflow server` on loopback."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -15,6 +17,7 @@ from mlflow import MlflowClient
 
 from pipeline.config import ConfigError, load_config
 from pipeline.observe.monitor import PARAMS_PER_BATCH, MlflowMonitor, flatten, make_monitor
+from tests.waiting import wait_until
 
 
 def sqlite_uri(path: Path) -> str:
@@ -77,11 +80,13 @@ def test_logging_error_warns_once_and_training_goes_on(tmp_path, capsys):
     "uri", ["nosuchscheme://x", "sqlite:////proc/no/such/dir/mlflow.db", "http://127.0.0.1:{port}"]
 )
 def test_bad_tracking_uri_fails_at_start_naming_the_key(uri):
-    uri = uri.format(port=free_port())  # nothing listens there
-    start = time.monotonic()
-    with pytest.raises(ConfigError, match=r"trainer\.mlflow_tracking_uri"):
-        MlflowMonitor(uri, "unit", "r", {}, {})
-    assert time.monotonic() - start < 20  # no minutes of retries
+    with socket.socket() as held:  # a port bound here and never listened on: nothing can listen there meanwhile
+        held.bind(("127.0.0.1", 0))
+        uri = uri.format(port=held.getsockname()[1])
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=r"trainer\.mlflow_tracking_uri"):
+            MlflowMonitor(uri, "unit", "r", {}, {})
+        assert time.monotonic() - start < 20  # no minutes of retries
 
 
 def test_default_store_lives_in_the_run_dir(tmp_path, monkeypatch):
@@ -127,19 +132,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_against_a_real_mlflow_server(tmp_path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    cmd += ["--backend-store-uri", sqlite_uri(tmp_path), "--artifacts-destination", str(tmp_path / "artifacts")]
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
+def start_server(tmp_path: Path, attempts: int = 3) -> tuple[subprocess.Popen, str]:
+    """An mlflow server on a free loopback port and its URI. The port is free when chosen and bound by the server
+    a moment later: should another process take it meanwhile, the server exits and another port is tried."""
     # Tracking only: without its job runner (a handful of worker processes) the server starts in half the time.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    # Own session: the server starts a uvicorn process; the group of this process (its id) is stopped below.
-    # Healthy after ~8 s on an idle machine, much later on a busy one: hence wait_healthy's generous timeout.
-    server = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
+    for attempt in range(attempts):
+        port = free_port()
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+        cmd += ["--backend-store-uri", sqlite_uri(tmp_path), "--artifacts-destination", str(tmp_path / "artifacts")]
+        log_path = tmp_path / f"server-{attempt}.log"
+        with open(log_path, "wb") as log:
+            # Own session: the server starts a uvicorn process; the group of this process (its id) is stopped at the
+            # end. Healthy after ~8 s on an idle machine, much later on a busy one: hence the generous timeout.
+            server = subprocess.Popen(
+                cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        uri = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(uri, server, log_path)
+            return server, uri
+        except pytest.fail.Exception:
+            if server.poll() is None or "address already in use" not in log_path.read_text().lower():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGTERM)
+                raise
+    pytest.fail(f"no free port for an mlflow server in {attempts} attempts")
+
+
+@pytest.mark.timeout(300)  # the server's start: seconds on an idle machine, minutes on a loaded one
+def test_against_a_real_mlflow_server(tmp_path):
+    server, uri = start_server(tmp_path)
     try:
-        wait_healthy(uri, server, tmp_path / "server.log")
         monitor = log_a_run(uri, {"async_training.staleness_threshold": "0.5"}, tmp_path)
         client = MlflowClient(tracking_uri=uri)
         run = client.get_run(monitor.run_id)
@@ -151,18 +175,63 @@ def test_against_a_real_mlflow_server(tmp_path):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
-        log.close()
 
 
 def wait_healthy(uri: str, server: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"mlflow server exited with {server.returncode}: {log.read_text()[-2000:]}")
+    def healthy() -> bool:
         try:
-            if requests.get(f"{uri}/health", timeout=2).ok:
-                return
+            return requests.get(f"{uri}/health", timeout=2).ok
         except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"mlflow server not healthy after {timeout_s}s: {log.read_text()[-2000:]}")
+            return False
+
+    def exited() -> str | None:
+        return None if server.poll() is None else f"exited with {server.returncode}: {log.read_text()[-2000:]}"
+
+    wait_until(healthy, timeout_s, "the mlflow server healthy", poll_s=0.5, give_up=exited)
+
+
+class _Log(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_console_writes_a_line_every_interval_where_stderr_is_a_log_and_nothing_on_a_terminal():
+    from pipeline.observe.monitor import ConsoleMonitor
+
+    log = _Log(tty=False)
+    console = ConsoleMonitor(total_steps=5, interval=2, stream=log)
+    for step in range(1, 6):
+        console.log({"reward/mean": 0.5 + step / 10, "actor/pg_loss": -0.1, "other": 1.0}, step)
+    lines = log.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == ["2/5", "4/5", "5/5"]  # every 2nd step, and the last
+    assert "reward/mean=0.7" in lines[0] and "other" not in lines[0] and "\r" not in log.getvalue()
+    terminal = _Log(tty=True)
+    ConsoleMonitor(5, 1, terminal).log({"reward/mean": 1.0}, 1)
+    assert terminal.getvalue() == ""  # the progress bar shows it there
+
+
+def test_tensorboard_writes_every_metric_as_a_scalar(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pipeline.observe.monitor import TensorBoardMonitor
+
+    board = TensorBoardMonitor(tmp_path / "tensorboard")
+    board.log({"reward/mean": 0.25}, 1)
+    board.log({"reward/mean": 0.75}, 2)
+    board.close("FINISHED")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.75)]
+
+
+def test_a_monitor_whose_package_is_missing_is_named_at_load(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match="tensorboard package is not installed"):
+        load_config(None, ["trainer.logger=[console,tensorboard]"])

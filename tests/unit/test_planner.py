@@ -85,3 +85,13 @@ def test_plan_command_prints_a_recommendation_and_refuses_a_budget_too_small():
     assert "colocated sync on 32 GPUs" in done.stdout and "recommended: trainer" in done.stdout
     bad = subprocess.run([*cmd[:-1], "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--gpus 8 leaves no room" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["7b", "retool"])
+def test_calibrate_smoke_fits_a_candidate(name, capsys):
+    # bench.calibrate's code path on two candidates and a coarse fit (its figures mean nothing at this size)
+    from bench.calibrate import main
+
+    slots, decode, wait = main([name, "--smoke"])
+    assert slots in TABLES[name].slot_range and 1e-4 < decode < 0.1 and wait > 0
+    assert f"fit: slots {slots}" in capsys.readouterr().out

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, load_config
-from pipeline.observe.audit import _route_rows, route_width
+from pipeline.observe.audit_tokens import route_rows, route_width
 from stages.agents import complete_routes, generate_resumable
 from stages.agents.single_turn import SingleTurnAgentLoop
 from stages.engines.vllm_routes import HookRoutes, NativeRoutes, make_route_capture
@@ -51,7 +51,7 @@ def test_a_resumed_response_gets_the_routes_of_its_whole_context_once():
 
     async def go():
         task = asyncio.create_task(SingleTurnAgentLoop(engine, max_tokens=64).run([1, 2, 3], "p/0"))
-        await asyncio.sleep(0.01)
+        await engine.waiting.wait()  # aborted: the resubmitted request waits for the sync to end
         engine.resume()
         return await task
 
@@ -67,7 +67,7 @@ def test_generate_resumable_keeps_the_last_request_routes():
 
     async def go():
         task = asyncio.create_task(generate_resumable(engine, [9, 9], 10, "r"))
-        await asyncio.sleep(0.01)
+        await engine.waiting.wait()  # aborted: the resubmitted request waits for the sync to end
         engine.resume()
         return await task
 
@@ -165,7 +165,7 @@ class RpcEngine:
         self.calls.append((method, args))
         if method == "start_route_capture":
             return [{"layers": LAYERS, "topk": K}]
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # an await point, as the real call's: requests that end meanwhile wait for the next
         return [[self.available[r].tobytes() if r in self.available else None for r in args[0]]]
 
 
@@ -202,14 +202,15 @@ def test_the_audit_finds_appended_routes():
     good = [[0, 1, 2, 3]] * 4
     table = pa.table(
         {
+            "sample_id": ["p/0", "p/1", "p/2"],
             "prompt_ids": [prompt, prompt, prompt],
             "response_ids": [response, response, response],
             "routed_experts": [good, good + good[:2], None],  # the second: a resume appended its context's rows
         }
     )
-    check = _route_rows(table, 4)
-    assert not check.ok and check.detail.startswith("1 of 3")
-    assert _route_rows(table.slice(0, 1), 4).ok and not _route_rows(table.slice(0, 1), 6).ok
+    check = route_rows(table, 4)
+    assert not check.ok and check.detail.startswith("1 of 3") and "p/1 (6 rows for 5 context tokens)" in check.detail
+    assert route_rows(table.slice(0, 1), 4).ok and not route_rows(table.slice(0, 1), 6).ok
 
 
 def test_route_width_reads_the_model_config(tmp_path):

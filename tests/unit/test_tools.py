@@ -51,13 +51,15 @@ def test_a_normal_script_returns_its_stdout_and_may_use_its_directory(sandbox):
     assert asyncio.run(sandbox({"code": "print(6 * 7)"})) == "42\n"
 
 
-def test_an_infinite_loop_hits_the_cpu_limit(sandbox):
-    result = run(sandbox, "while True:\n    pass")
+def test_an_infinite_loop_hits_the_cpu_limit():
+    # A wall-clock limit far beyond the CPU limit: however loaded the machine, the loop's second of CPU comes first.
+    result = run(PythonSandbox(timeout_s=600.0, memory_mb=256, cpu_s=1), "while True:\n    pass")
     assert result.returncode is not None and result.returncode < 0 and "RLIMIT_CPU" in result.error
 
 
-def test_a_sleeping_script_hits_the_wall_clock_limit(sandbox):
-    result = run(sandbox, "import time\ntime.sleep(60)")
+def test_a_sleeping_script_hits_the_wall_clock_limit():
+    # It spends no CPU: only the wall-clock limit can end it.
+    result = run(PythonSandbox(timeout_s=3.0, memory_mb=256, cpu_s=600), "import time\ntime.sleep(600)")
     assert "timed out after 3.0s" in result.error
 
 

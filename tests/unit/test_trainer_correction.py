@@ -55,7 +55,7 @@ def test_anchor_is_taken_before_the_first_update(model_dir):
 def test_stale_behaviour_is_weighted_and_truncated(model_dir):
     trainer = _trainer(model_dir, rollout_correction=CorrectionSettings(rollout_is="token", rollout_is_threshold=1.5))
     m = trainer.train_step([_minibatch(trainer, 3, shift=math.log(0.5))])  # the engine was half as likely
-    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(2.0, rel=1e-4)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(1.5, rel=1e-4)  # every weight 2, truncated at 1.5
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1.0)  # every raw weight 2 > 1.5
     assert m["rollout_corr/kl"] == pytest.approx(math.log(0.5), rel=1e-4)
 
@@ -129,14 +129,40 @@ def test_rejection_keys_load_from_the_command_line():
         )
 
 
-def test_correction_needs_the_proximal_logprobs(model_dir):
-    with pytest.raises(ValueError, match="compute_prox_log_prob"):
-        TorchTrainer(model_dir, PolicySettings(lr=1e-3), rollout_correction=CorrectionSettings(rollout_is="token"))
-    with pytest.raises(ConfigError, match="async_training.compute_prox_log_prob=true"):
-        load_config(None, ["algorithm.rollout_correction.rollout_is=token"])
+def test_bypass_and_decoupled_mode_as_verl_selects_them(model_dir):
+    def loaded(*overrides):
+        cfg = load_config(None, list(overrides))
+        return cfg.algorithm.rollout_correction.bypass_mode, cfg.async_training.compute_prox_log_prob, cfg.actor
+
+    rc = "algorithm.rollout_correction"
+    assert loaded()[:2] == (True, False)  # verl's fully_async default: the engine's logprobs are the anchor
+    assert loaded(f"{rc}.bypass_mode=false")[:2] == (False, True)  # decoupled: proximal logprobs
+    assert loaded("async_training.compute_prox_log_prob=true")[:2] == (False, True)  # the older keys
+    assert loaded("actor_rollout_ref.actor.use_rollout_log_probs=false")[:2] == (False, True)
+    # bypass mode with a correction to apply: verl swaps vanilla for its bypass_mode loss
+    assert loaded(f"{rc}.rollout_is=token")[2].policy_loss.loss_mode == "bypass_mode"
+    assert loaded(f"{rc}.rollout_is=token", f"{rc}.bypass_mode=false")[2].policy_loss.loss_mode == "vanilla"
+    with pytest.raises(ConfigError, match=r"bypass_mode=true uses the engine's logprobs.*keep one of them"):
+        loaded(f"{rc}.bypass_mode=true", "async_training.compute_prox_log_prob=true")
+    with pytest.raises(ConfigError, match=r"cannot wrap actor.policy_loss.loss_mode=gspo.*bypass_mode=false"):
+        loaded(f"{rc}.rollout_is=token", "actor.policy_loss.loss_mode=gspo")
+    with pytest.raises(ConfigError, match=r"loss_mode=bypass_mode compares.*bypass_mode=true"):
+        loaded(f"{rc}.bypass_mode=false", "actor.policy_loss.loss_mode=bypass_mode")
     with pytest.raises(ConfigError, match="Did you mean 'rollout_is_threshold'"):
         load_config(None, ["algorithm.rollout_correction.rollout_is_treshold=3"])
-    cfg = load_config(
-        None, ["algorithm.rollout_correction.rollout_is=sequence", "async_training.compute_prox_log_prob=true"]
-    )
-    assert cfg.algorithm.rollout_correction.rollout_is == "sequence"
+    # a trainer built by hand refuses a correction it would not apply
+    with pytest.raises(ValueError, match="cannot wrap actor.policy_loss.loss_mode=vanilla"):
+        TorchTrainer(model_dir, PolicySettings(lr=1e-3), rollout_correction=CorrectionSettings(rollout_is="token"))
+
+
+def test_bypass_mode_corrects_inside_the_loss(model_dir):
+    policy = PolicySettings(lr=1e-2)
+    policy.policy_loss.loss_mode = "bypass_mode"
+    settings = CorrectionSettings(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.9_1.1")
+    trainer = TorchTrainer(model_dir, policy, rollout_correction=settings)
+    m = trainer.train_step([_minibatch(trainer, 3, shift=math.log(0.5))])  # every rho = 2: all rejected
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1.0)
+    assert m["train/num_tokens"] == 0.0 and m["actor/pg_loss"] == 0.0
+    m = trainer.train_step([_minibatch(trainer, 4, shift=0.0)])  # on policy: every token kept, rho 1
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0 and m["train/num_tokens"] > 0
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)

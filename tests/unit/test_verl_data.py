@@ -197,3 +197,69 @@ def test_template_that_rejects_the_messages_is_a_row_error(tmp_path, chat):
 def test_prompt_longer_than_the_limit_names_the_row(tmp_path, chat):
     message = error(tmp_path, [verl_row(), verl_row(question=QUESTION * 10)], chat, max_prompt_length=128)
     assert "row 1:" in message and "data.max_prompt_length=128" in message
+
+
+# --- verl's data keys (PromptOptions) -------------------------------------------------------------------------------
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_truncation_keeps_the_end_the_start_or_both_ends(tmp_path, plain):
+    from pipeline.tasks.source import PromptOptions, truncate
+
+    # by hand on ten token ids, a limit of 5: left keeps the last 5, right the first 5, middle the first 2 and last 3
+    ten = list(range(10))
+    assert truncate(ten, 5, "left") == [5, 6, 7, 8, 9] and truncate(ten, 5, "right") == [0, 1, 2, 3, 4]
+    assert truncate(ten, 5, "middle") == [0, 1, 7, 8, 9] and truncate(ten, 12, "left") == ten
+    path = str(write(tmp_path, [verl_row(), verl_row("short")]))
+    full = _ids(plain, QUESTION)
+    limit = len(full) - 3
+    table = load_prompts(path, plain, limit, options=PromptOptions(truncation="left"))
+    assert table["prompt_ids"].to_pylist()[0] == full[-limit:]
+    assert table["prompt_text"].to_pylist()[0] == plain.decode(full[-limit:])  # the text of what the model gets
+    assert table["prompt_ids"].to_pylist()[1] == _ids(plain, "short")  # a short one is left alone
+    with pytest.raises(PromptDataError, match=r"more than data.max_prompt_length.*data.truncation"):
+        load_prompts(path, plain, limit)  # 'error', the default, refuses it
+
+
+def test_filter_overlong_prompts_drops_them_when_the_file_opens(tmp_path, plain):
+    from pipeline.tasks.source import PromptFile, PromptOptions
+
+    path = str(write(tmp_path, [verl_row(), verl_row("short", truth="1"), verl_row(QUESTION + " twice")]))
+    prompts = PromptFile(
+        path, plain, len(_ids(plain, "short")), "single_turn_agent", PromptOptions(filter_overlong=True)
+    )
+    assert (prompts.num_rows, prompts.filtered) == (1, 2)
+    assert prompts.checked([0])["ground_truth"].to_pylist() == ["1"]
+    with pytest.raises(PromptDataError, match="leaves none"):
+        PromptFile(path, plain, 1, "single_turn_agent", PromptOptions(filter_overlong=True))
+
+
+def test_prompt_key_and_chat_template_kwargs(tmp_path, chat):
+    from pipeline.tasks.source import PromptOptions
+
+    row = verl_row()
+    row["question"] = row.pop("prompt")
+    path = str(write(tmp_path, [row]))
+    chat.chat_template = CHATML + "{% if thinking %}<think>{% endif %}"
+    options = PromptOptions(prompt_key="question", chat_template_kwargs={"thinking": True})
+    text = load_prompts(path, chat, 512, options=options)["prompt_text"].to_pylist()[0]
+    assert QUESTION in text and text.endswith("<|im_start|>assistant\n<think>")
+    assert (
+        not load_prompts(path, chat, 512, options=PromptOptions(prompt_key="question"))["prompt_text"][0]
+        .as_py()
+        .endswith("<think>")
+    )
+    with pytest.raises(PromptDataError, match=r"lacks column"):
+        load_prompts(path, chat, 512)  # without prompt_key the file has neither format's columns
+    with pytest.raises(PromptDataError, match=r"no column data.prompt_key='messages'"):
+        load_prompts(path, chat, 512, options=PromptOptions(prompt_key="messages"))
+
+
+def test_shuffle_false_keeps_the_files_order():
+    from pipeline.tasks.admission import AdmissionOrder
+
+    order = AdmissionOrder(4, 10, seed=0, shuffle=False)
+    assert [rows.tolist() for _, rows in order.epochs()] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1]]
+    shuffled = [rows.tolist() for _, rows in AdmissionOrder(4, 8, seed=0).epochs()]
+    assert shuffled != [[0, 1, 2, 3], [0, 1, 2, 3]]

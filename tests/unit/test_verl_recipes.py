@@ -1,0 +1,185 @@
+"""verl's fully_async example scripts load as written: every key of every script is handled (a key of the schema, a
+verl key noted as having no effect, or one refused naming the capability it asks for; the trainer-efficiency keys are
+left to their own settings), the DAPO 7B recipe scaled to the embedded task loads whole and means what it means in
+verl, and the rule for keys of things asyncrl does not have is kept: noted when they only tune something not in use,
+an error naming the capability when they ask for it."""
+
+import json
+
+import pytest
+
+from pipeline.config import ConfigError, load_config
+from pipeline.config.verl_keys import RULES
+from tests.verl_recipes import classify, recipe, recipes
+
+DAPO_7B = "dapo_7b_math_fsdp2_8_8"
+# The DAPO 7B recipe's sizes scaled to the embedded task on CPU: its own model and data, one engine, short
+# responses (the overlong buffer scaled with them), mini-batches of 4 prompts, a few dozen steps.
+CPU_SCALE = [
+    "actor_rollout_ref.model.path=embedded",
+    "data.train_files=embedded",
+    "data.val_files=embedded",
+    "data.max_prompt_length=64",
+    "data.max_response_length=48",
+    "+reward.reward_kwargs.overlong_buffer_cfg.len=16",
+    "+reward.reward_kwargs.max_resp_len=48",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.optim.lr=5e-4",
+    "rollout.total_rollout_steps=256",
+    "trainer.n_gpus_per_node=0",
+    "trainer.nnodes=1",
+    "rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",
+    "trainer.logger=[console]",
+]
+
+
+def _scaled(name: str) -> list[str]:
+    """The recipe's overrides without the trainer-efficiency keys, then the CPU scale (later overrides win)."""
+    scaled_keys = {o.split("=", 1)[0].lstrip("+") for o in CPU_SCALE}
+    kept = [
+        o
+        for o in recipe(name)[1]
+        if classify(o)[0] != "efficiency" and o.split("=", 1)[0].lstrip("+") not in scaled_keys
+    ]
+    return kept + CPU_SCALE
+
+
+@pytest.mark.parametrize("name", recipes())
+def test_every_key_of_every_script_is_handled(name):
+    kinds = {o: classify(o) for o in recipe(name)[1]}
+    unknown = [o for o, (kind, _) in kinds.items() if kind == "unknown"]
+    assert not unknown, unknown
+
+
+def test_the_dapo_7b_recipe_loads_scaled_to_cpu_and_means_what_verl_means():
+    cfg = load_config(None, _scaled(DAPO_7B))
+    a, ro, rc = cfg.actor, cfg.rollout, cfg.algorithm.rollout_correction
+    # the objective: DAPO's clip-higher, dual clip 10, token-mean, no KL
+    assert (a.clip_low, a.clip_high, a.clip_ratio_c, a.loss_agg_mode) == (0.2, 0.28, 10.0, "token-mean")
+    assert (a.use_kl_loss, cfg.algorithm.use_kl_in_reward, a.weight_decay, a.grad_clip) == (False, False, 0.1, 1.0)
+    assert a.optim.lr_warmup_steps == 10 and a.policy_loss.loss_mode == "vanilla"
+    # the reward: the dapo manager and its overlong buffer (scaled)
+    manager = cfg.reward_manager()
+    assert (manager.name, manager.overlong.enable, manager.overlong.len, manager.max_resp_len) == ("dapo", True, 16, 48)
+    # the async knobs, validation, sampling
+    at = cfg.async_training
+    assert (at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches, at.partial_rollout) == (
+        0.1,
+        4,
+        4,
+        True,
+    )
+    assert rc.bypass_mode and not at.compute_prox_log_prob  # verl's fully_async default: the engine's logprobs
+    assert (ro.test_freq, cfg.trainer.val_before_train, ro.val_kwargs.top_p, ro.top_k) == (10, True, 0.7, -1)
+    assert ro.engine_args()["enable_chunked_prefill"] is True and ro.gpu_memory_utilization == 0.8
+    assert (cfg.data.truncation, cfg.data.prompt_key, cfg.trainer.resume_mode) == ("left", "prompt", "auto")
+    assert cfg.trainer.project_name == "DAPO" and cfg.trainer.run_name.startswith("DAPO-Qwen2.5-7b")
+    assert cfg.model.override_config == {"max_position_embeddings": 32768}
+    assert ro.num_replicas == 1 and cfg.trainer.monitor == ["console"]
+    # what has no effect here is said once, with why
+    noted = {n.split("=", 1)[0] for n in cfg.notices}
+    assert {"critic.strategy", "actor_rollout_ref.hybrid_engine", "data.return_raw_chat", "rollout.mode"} <= noted
+    assert {"data.train_batch_size", "trainer.total_epochs", "rollout.calculate_log_probs"} <= noted
+    assert all(": accepted" in n for n in cfg.notices)
+
+
+@pytest.mark.parametrize(
+    ("override", "capability"),
+    [
+        ("actor_rollout_ref.rollout.name=sglang", "an inference engine other than vLLM"),
+        ("actor_rollout_ref.model.mtp.enable=True", "multi-token prediction"),
+        ("actor_rollout_ref.model.lora_rank=64", "LoRA adapters"),
+        ("actor_rollout_ref.rollout.quantization=fp8", "a quantized engine"),
+        ("trainer.device=npu", "a device other than CUDA GPUs or the CPU"),
+        ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=8", "Ulysses sequence parallelism"),
+        ("actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01", "an MoE load-balancing loss"),
+        ("algorithm.filter_groups.enable=True", "DAPO's dynamic sampling"),
+        ("data.image_key=images", "image inputs"),
+    ],
+)
+def test_a_key_asking_for_a_missing_capability_is_an_error_naming_it(override, capability):
+    with pytest.raises(ConfigError, match=f"asks for {capability}"):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "why"),
+    [
+        ("+actor_rollout_ref.rollout.engine_kwargs.sglang.cuda_graph_max_bs=128", "the engine is vLLM"),
+        ("+actor_rollout_ref.rollout.engine_kwargs.trtllm.batch_wait_timeout_iters=32", "the engine is vLLM"),
+        ("actor_rollout_ref.model.mtp.speculative_num_steps=4", "multi-token prediction, which is off"),
+        ("actor_rollout_ref.model.mtp.enable=False", "does not ask for multi-token prediction"),
+        ("critic.strategy=fsdp2", "no critic"),
+        ("actor_rollout_ref.ref.fsdp_config.forward_prefetch=True", "the reference model is its own stage"),
+        ("actor_rollout_ref.actor.megatron.override_transformer_config.use_flash_attn=True", "kernel choice"),
+        ("async_training.dynamic_schedule_policy=default", "dynamic resource scheduling, which is off"),
+    ],
+)
+def test_a_key_that_only_tunes_something_not_in_use_is_noted_once(override, why):
+    cfg = load_config(None, [override])
+    assert len(cfg.notices) == 1 and why in cfg.notices[0], cfg.notices
+
+
+def test_the_engine_kwargs_of_vllm_reach_the_engine_and_verls_knobs_with_them():
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.rollout.max_num_batched_tokens=1024",
+            "actor_rollout_ref.rollout.enforce_eager=False",
+            "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL_DECODE_ONLY",
+        ],
+    )
+    args = cfg.rollout.engine_args()
+    assert args["max_num_batched_tokens"] == 1024 and args["enforce_eager"] is False
+    assert args["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"} and not cfg.notices
+
+
+def test_verls_run_keys_map_onto_ours():
+    cfg = load_config(
+        None,
+        [
+            "trainer.project_name=P",
+            "trainer.experiment_name=E",
+            "trainer.default_local_dir=/ckpt",
+            "trainer.test_freq=5",
+            "data.val_files=embedded",
+            "rollout.nnodes=2",
+            "rollout.n_gpus_per_node=4",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=False",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        ],
+    )
+    t, ro = cfg.trainer, cfg.rollout
+    assert (t.project_name, t.run_name, t.checkpoint_dir, ro.test_freq) == ("P", "E", "/ckpt", 5)
+    assert ro.num_replicas == 4  # 2 nodes x 4 devices / TP 2
+    assert ro.val_kwargs.temperature == 0.0  # do_sample=false is greedy
+    with pytest.raises(ConfigError, match="set one setting two ways"):
+        load_config(None, ["trainer.experiment_name=E", "trainer.run_name=F"])
+    with pytest.raises(ConfigError, match="resume_path"):
+        load_config(None, ["trainer.resume_mode=resume_path"])
+    with pytest.raises(ConfigError, match="Weights & Biases is not supported"):
+        load_config(None, ["trainer.logger=[console,wandb]"])
+
+
+def test_every_rule_has_a_reason():
+    assert all(len(rule.why) > 10 for rule in RULES.values())
+
+
+def test_model_override_config_writes_a_config_of_the_run_and_leaves_the_model_alone(tmp_path):
+    from pipeline.tasks.model_overrides import apply_overrides
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "rope": {"theta": 1, "x": 2}}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    out = apply_overrides(model, {"max_position_embeddings": 32768, "rope": {"theta": 5}}, tmp_path / "run")
+    assert json.loads((out / "config.json").read_text()) == {
+        "max_position_embeddings": 32768,
+        "rope": {"theta": 5, "x": 2},
+    }
+    assert (out / "model.safetensors").read_bytes() == b"weights" and (out / "model.safetensors").is_symlink()
+    assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == 4096  # untouched
+    assert apply_overrides(model, {}, tmp_path / "run") == model
