@@ -13,8 +13,9 @@ The model is built from an HF directory's config.json (Llama/Qwen2: RMSNorm, Swi
 GQA, qkv bias for Qwen2) with megatron-core's local layer spec, and its weights are the HF safetensors sharded for
 this rank (stages/trainer/megatron_convert.py), so training starts from exactly the weights the engines serve.
 
-On CPU megatron-core trains with three shims (`_cpu_shims`): `torch.cuda.current_device` answers "cpu", an RNG
-tracker that does not fork CUDA states, and an explicit bool causal mask. Its optimizer hard-codes CUDA, so the
+On CPU megatron-core trains with four shims (`_cpu_shims`): `torch.cuda.current_device` answers "cpu", an RNG
+tracker that does not fork CUDA states, no CUDA RNG state around activation recompute, and an explicit bool
+causal mask. Its optimizer hard-codes CUDA, so the
 update is written by hand: `finish_grad_sync`, `main_grad` -> `grad`, a TP- and PP-aware grad-norm clip, torch
 AdamW. At PP = 1 the micro-batches' forward/backward are a plain loop; at PP > 1 megatron's own schedule drives
 them (three more shims, stages/trainer/megatron_pipeline.py). A Qwen3-MoE model and routing replay:
@@ -57,6 +58,10 @@ def _cpu_shims() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None  # the pipeline's p2p calls it (megatron_pipeline.py)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # Activation recompute (tensor_parallel.checkpoint) saves and restores the CUDA RNG state around a layer's second
+    # forward; on CPU there is none (the CPU generator is saved beside it, and the model has no dropout).
+    tensor_parallel.random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tensor_parallel.random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def _load_hf(model_dir: Path) -> dict[str, torch.Tensor]:
