@@ -14,16 +14,15 @@ GQA, qkv bias for Qwen2) with megatron-core's local layer spec, and its weights 
 this rank (stages/trainer/megatron_convert.py), so training starts from exactly the weights the engines serve.
 
 On CPU megatron-core trains with four shims (`_cpu_shims`): `torch.cuda.current_device` answers "cpu", an RNG
-tracker that does not fork CUDA states, no CUDA RNG state around activation recompute, and an explicit bool
-causal mask. Its optimizer hard-codes CUDA, so the
-update is written by hand: `finish_grad_sync`, `main_grad` -> `grad`, a TP- and PP-aware grad-norm clip, torch
-AdamW. At PP = 1 the micro-batches' forward/backward are a plain loop; at PP > 1 megatron's own schedule drives
-them (three more shims, stages/trainer/megatron_pipeline.py). A Qwen3-MoE model and routing replay:
-stages/trainer/megatron_moe.py. The objective and metrics are TorchTrainer's (stages/trainer/step.py); the entropy
-of the vocabulary-parallel logits all-reduces its max and two sums over the TP group. On CUDA megatron's schedule
-and distributed optimizer run the step (bench/gpu_check compares it with the CPU step at TP = PP = 1); there the
-parameters are bf16 by default (`dtype`), the optimizer's main weights fp32, the logits turned into fp32 first.
-"""
+tracker that does not fork CUDA states, no CUDA RNG state around activation recompute, and an explicit bool causal
+mask. Its optimizer hard-codes CUDA, so the update is written by hand: `finish_grad_sync`, `main_grad` -> `grad`, a
+TP- and PP-aware grad-norm clip, torch AdamW. At PP = 1 the micro-batches' forward/backward are a plain loop; at PP
+> 1 megatron's own schedule drives them (three more shims, stages/trainer/megatron_pipeline.py). A Qwen3-MoE model
+and routing replay: stages/trainer/megatron_moe.py. The objective and metrics are TorchTrainer's
+(stages/trainer/step.py); the entropy of the vocabulary-parallel logits all-reduces its max and two sums over the TP
+group. On CUDA megatron's schedule and distributed optimizer run the step (bench/gpu_check compares it with the CPU
+step at TP = PP = 1); there the parameters are bf16 by default (`dtype`), the optimizer's main weights fp32, the
+logits turned into fp32 first."""
 
 from __future__ import annotations
 
