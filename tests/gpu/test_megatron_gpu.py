@@ -44,7 +44,7 @@ CHECKED = ("model.layers.0.mlp.down_proj.weight",)
 
 def _engine_sums(ray, engine, name: str) -> list[float]:
     """The sum of one parameter on each engine worker."""
-    rpc = lambda stage: stage._run(stage.engine.collective_rpc("weight_checksum", args=(name,)))  # noqa: E731
+    rpc = lambda stage: stage.replica.run(stage.replica.engine.llm.collective_rpc("weight_checksum", args=(name,)))  # noqa: E731
     return ray.get(engine.__ray_call__.remote(rpc))
 
 
