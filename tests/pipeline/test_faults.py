@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import psutil
+import pyarrow as pa
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import pytest
@@ -93,6 +94,22 @@ class Run:
             None,
         )
 
+    def fault(self, component: str) -> dict | None:
+        """The run's fault log entry of `component` (faults.jsonl), once it is written."""
+        path = self.dir / "faults.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return next((e for e in map(json.loads, lines) if e["component"] == component), None)
+
+    def generated_since(self, replica: int, after: float) -> bool:
+        """Whether the sample log holds a response `replica` generated after `after` (a part still being written is
+        read again at the next poll)."""
+        try:
+            log = pds.dataset(str(self.dir / "samples")).to_table(columns=["replica", "generated_time"])
+        except (OSError, pa.ArrowInvalid):
+            return False
+        pairs = zip(log["replica"].to_pylist(), log["generated_time"].to_pylist(), strict=True)
+        return any(r == replica and t > after for r, t in pairs)
+
     def finish(self, timeout_s: float = 900) -> None:
         try:
             assert self.proc.wait(timeout_s) == 0, self.out.read_text()[-4000:]
@@ -131,6 +148,11 @@ def test_a_replica_an_engine_the_trainer_and_the_driver_die_and_nothing_is_lost(
     (engine,) = first.replica(1, 0)["engine_pids"]
     os.kill(engine, signal.SIGKILL)  # replica 1's vLLM engine core
     first.wait_for("replica 1 back", lambda: first.replica(1, 1))
+    # Both generating again before the trainer dies: check_faulted_run reads what each made after its restart.
+    for index in (0, 1):
+        component = f"generate replica {index}"
+        at = first.wait_for(f"{component}'s restart logged", lambda c=component: first.fault(c))["time"]
+        first.wait_for(f"{component} generating again", lambda i=index, t=at: first.generated_since(i, t))
     both_back = first.steps()
 
     # The trainer, once a checkpoint after both restarts is written and steps past it are logged.

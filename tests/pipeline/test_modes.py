@@ -31,7 +31,9 @@ SMALL = [
 def logs(run_dir):
     """(samples, consumed rows joined with their sample rows, admissions), straight from the run's Parquet logs."""
     samples = pds.dataset(str(run_dir / "samples")).to_table()
-    by_id = {row["sample_id"]: row for row in samples.to_pylist()}
+    # The columns check_mode reads: a row of every column would need each map column's type spelled out.
+    columns = ["sample_id", "prompt_id", "param_version", "token_param_version"]
+    by_id = {row["sample_id"]: row for row in samples.select(columns).to_pylist()}
     consumed = pds.dataset(str(run_dir / "consumed")).to_table().to_pylist()
     trained = pa.Table.from_pylist([{**by_id[c["sample_id"]], **c} for c in consumed])
     return samples, trained, pq.read_table(run_dir / "admitted.parquet")
