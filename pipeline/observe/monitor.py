@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import sys
 import threading
 import time
@@ -120,7 +121,7 @@ class MlflowMonitor:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        batch = [Metric(key, float(value), now_ms, step) for key, value in metrics.items()]
+        batch = [Metric(mlflow_name(key), float(value), now_ms, step) for key, value in metrics.items()]
         self._calls.put((f"step {step}", self.client.log_batch, (self.run_id, batch)))
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
@@ -239,6 +240,12 @@ class Monitors:
     def close(self, status: RunStatus) -> None:
         for m in self.monitors:
             m.close(status)
+
+
+def mlflow_name(key: str) -> str:
+    """A metric's name as MLflow accepts it: verl's `@` (`val/reverse/reward/mean@4`) and any other character outside
+    MLflow's alphanumerics, `_ - . : /` and space become `_` (metrics.jsonl keeps the name as it is)."""
+    return re.sub(r"[^\w\-. :/]", "_", key)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:

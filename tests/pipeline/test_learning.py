@@ -107,7 +107,8 @@ def test_reward_rises_with_partial_rollout_decoupled_ppo_a_kl_loss_and_validatio
     assert gain >= 0.25, f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}, curve {curve}"
     # the correction ran on every step (whether a sync catches responses in flight is up to timing;
     # test_partial_rollout.py forces that case)
-    assert all(0.0 < r["rollout_corr/rollout_is_eff_sample_size"] <= 1.0 for r in rows)
+    # (ESS at most 1 up to float rounding: verl's 1 / mean((w / mean(w))^2) gave 1.00000002 when every weight is 1)
+    assert all(0.0 < r["rollout_corr/rollout_is_eff_sample_size"] <= 1.0 + 1e-6 for r in rows)
     # The KL loss against the starting policy: logged every step, zero at version 0, growing once the policy moves
     assert all(r["actor/kl_coef"] == 0.001 for r in rows)
     assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6) and rows[-1]["actor/kl_loss"] > 1e-4

@@ -235,3 +235,13 @@ def test_a_monitor_whose_package_is_missing_is_named_at_load(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ConfigError, match="tensorboard package is not installed"):
         load_config(None, ["trainer.logger=[console,tensorboard]"])
+
+
+def test_a_metric_name_mlflow_refuses_is_logged_under_a_name_it_takes(tmp_path):
+    uri = sqlite_uri(tmp_path)
+    monitor = MlflowMonitor(uri, "unit", "r", {}, {})
+    monitor.log({"val/reverse/reward/mean@4": 0.5, "reward/mean": 0.25}, 1)
+    monitor.close("FINISHED")
+    assert monitor.failures == 0
+    got = MlflowClient(tracking_uri=uri).get_run(monitor.run_id).data.metrics
+    assert got == {"val/reverse/reward/mean_4": 0.5, "reward/mean": 0.25}
