@@ -84,8 +84,10 @@ def step_values(rows: list[dict[str, Any]], consumed_version: int) -> dict[str, 
     """A step's metrics as pipeline.observe.metrics.step_metrics derives them from the step's samples."""
     lags = np.asarray([consumed_version - r["param_version"] for r in rows])
     lengths = np.asarray([r["num_tokens"] for r in rows])
+    # the loss's samples only: a masked or dropped sample's reward is its scorer's failure, not the policy's score
+    scored = [r["reward"] for r in rows if r.get("reward_status") not in ("masked", "dropped")]
     return {
-        "reward/mean": float(np.mean([r["reward"] for r in rows])),
+        "reward/mean": float(np.mean(scored)) if scored else math.nan,
         "reward/error_ratio": float(np.mean([r["reward_error"] is not None for r in rows])),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
@@ -96,11 +98,17 @@ def step_values(rows: list[dict[str, Any]], consumed_version: int) -> dict[str, 
     }
 
 
+def _same(logged: float, want: float) -> bool:
+    close = math.isclose(logged, want, rel_tol=METRIC_TOL, abs_tol=METRIC_TOL)
+    return close or (math.isnan(logged) and math.isnan(want))
+
+
 def metrics_match(metrics: list[dict[str, Any]], consumed: pa.Table, samples: pa.Table, by_id: dict[str, int]) -> Check:
     """metrics.jsonl has one row per trained step, and each row's sample-derived values (reward, lengths, lags,
     version) are what the step's consumed samples give."""
     name = "metrics.jsonl agrees with the logs"
-    columns = ("reward", "reward_error", "num_tokens", "finish_reason", "param_version")
+    columns = ("reward", "reward_error", "num_tokens", "finish_reason", "param_version", "reward_status")
+    columns = tuple(c for c in columns if c in samples.column_names)  # reward_status: runs with reward sources
     values = {c: samples[c].to_pylist() for c in columns}
     steps: dict[int, list[dict[str, Any]]] = defaultdict(list)
     version: dict[int, int] = {}
@@ -122,6 +130,6 @@ def metrics_match(metrics: list[dict[str, Any]], consumed: pa.Table, samples: pa
         if not steps.get(step):
             continue
         for key, want in step_values(steps[step], version[step]).items():
-            if key in row and not math.isclose(row[key], want, rel_tol=METRIC_TOL, abs_tol=METRIC_TOL):
+            if key in row and not _same(row[key], want):
                 bad.append(f"step {step} {key} (logged {row[key]:.6g}, the logs give {want:.6g})")
     return Check(name, not bad, f"{len(metrics)} rows; {len(bad)} disagree{examples(bad)}")

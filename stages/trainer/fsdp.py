@@ -21,13 +21,11 @@ check, bench/gpu_check, runs it on CUDA over NCCL).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from stages.trainer.loss import AggCounts
-from stages.trainer.ranks import LOOPBACK
+from stages.trainer.ranks import LOOPBACK, join_world
 
 
 @dataclass(frozen=True)
@@ -61,13 +59,7 @@ class Share:
 def join(dp: DPRank, device: torch.device) -> None:
     """Join the data-parallel world of a sharded rank computing on `device` (nothing to join unsharded)."""
     if dp.sharded:
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://{dp.host}:{dp.port}",
-            rank=dp.rank,
-            world_size=dp.size,
-            timeout=timedelta(seconds=600),
-        )
+        join_world("nccl" if device.type == "cuda" else "gloo", dp.host, dp.port, dp.rank, dp.size)
 
 
 def shard_model(

@@ -31,7 +31,6 @@ import functools
 import json
 import math
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -45,7 +44,7 @@ from stages.trainer.megatron_inputs import Inputs, model_inputs
 from stages.trainer.megatron_moe import MegatronRouteReplay, layer_spec, moe_config
 from stages.trainer.megatron_pipeline import Stage, cpu_build, scheduled_logprobs, scheduled_update
 from stages.trainer.packing import pack_rows, unpack_rows
-from stages.trainer.ranks import LOOPBACK
+from stages.trainer.ranks import LOOPBACK, join_world
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, MegatronRecompute, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
 
@@ -112,13 +111,7 @@ class MegatronRank:
             )
         if not self.cuda:
             _cpu_shims()
-        dist.init_process_group(
-            "nccl" if self.cuda else "gloo",
-            init_method=f"tcp://{host}:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=600),
-        )
+        join_world("nccl" if self.cuda else "gloo", host, port, rank, world_size)
         tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
         parallel_state.initialize_model_parallel(tp, pp)
         self.tp, self.tp_rank = tp, parallel_state.get_tensor_model_parallel_rank()

@@ -63,3 +63,24 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def join_world(backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600) -> None:
+    """Join torch.distributed's global group at host:port. Rank 0 serves the rendezvous store on a socket bound to
+    `host` alone: `init_process_group(init_method="tcp://...")` would have its store listen on every interface."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        listener = socket.create_server((host, port))
+        fd = listener.detach()
+        try:
+            store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)
+        except Exception:
+            socket.close(fd)
+            raise
+    else:
+        store = dist.TCPStore(host, port, world_size, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

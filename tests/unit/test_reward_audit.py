@@ -51,3 +51,21 @@ def test_a_group_dropped_in_part_fails_the_audit():
     ok, detail = reward_failures(table)
     assert not ok
     assert reward_failures(table.drop_columns(["reward_status"])) is None
+
+
+def test_the_audit_recomputes_reward_mean_as_the_trainer_logs_it():
+    """reward/mean is over the loss's samples (pipeline/observe/reward_metrics.py): the audit's recomputation leaves
+    masked and dropped samples out too, so a run with scorer failures passes, and a row that counts them fails."""
+    from pipeline.observe.audit_derived import step_values
+    from pipeline.observe.reward_metrics import trained_reward_mean
+
+    for on_error in ("mask", "drop_group"):
+        table = logged(on_error)
+        rows = [r | {"num_tokens": 3, "finish_reason": "stop", "param_version": 0} for r in table.to_pylist()]
+        want = step_values(rows, 0)["reward/mean"]
+        assert want == trained_reward_mean(table)
+        # a failed sample's reward does not enter it; counted in, it would move the mean
+        failed = [r | {"reward": 100.0} if r["reward_status"] != "ok" else r for r in rows]
+        assert step_values(failed, 0)["reward/mean"] == want
+        counted = [r | {"reward_status": "ok"} for r in failed]
+        assert step_values(counted, 0)["reward/mean"] > want + 10
