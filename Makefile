@@ -32,7 +32,7 @@ run: install
 # The whole suite: unit and CLI tests first, then the multi-process and stream tests (tests/conftest.py orders them and
 # sets each folder's timeout). pytest's cache is on: `make test ARGS=--lf` reruns what failed last time.
 test: install
-	$(PY) -m pytest -q $(ARGS) tests
+	$(PY) -m pytest -q --durations=15 $(ARGS) tests
 
 # The unit and CLI tests: no Ray session of the suite's, no engine; a few minutes on 2 cores. The extras' resolution
 # (marked `network`: pip downloads torch's and vLLM's wheels, up to 10 minutes an extra) is left out.

@@ -14,7 +14,8 @@ table is `python -m bench.modes --table retool`.
 
     python -m bench.multi_turn                                  # about 11 minutes on 2 cores
     python -m bench.multi_turn --repeats 3 --modes sync,partial  # about 19 minutes
-    python -m bench.multi_turn --smoke      # seconds: sync and partial on the simulated toy workload, 2 turns
+    python -m bench.multi_turn --smoke      # seconds: sync and partial on the simulated toy workload, 2 turns,
+                                            # in this process
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def steady_windows(elapsed: list[float], skip: int, window: int) -> list[float]:
 
 
 def run_mode(mode: str, out: Path, prompts: int, name: str, smoke: bool = False) -> dict:
-    """One run of `mode` in this process (which starts and ends its own Ray); what the table needs of it."""
+    """One run of `mode` in this process (on its Ray if it has one, else on a Ray it starts and ends); what the table
+    needs of it."""
     from pipeline.run import run
 
     cfg = load_config(
@@ -134,10 +136,12 @@ def main(argv: list[str] | None = None) -> dict:
     for repeat in range(args.repeats):
         for mode in modes:
             name = f"{mode}-{repeat}"
-            # A process of its own: a fresh driver and Ray session, nothing left over from the run before.
-            command = [sys.executable, "-m", "bench.multi_turn", "--one", mode, "--out", str(out), "--name", name]
-            subprocess.run([*command, "--prompts", str(args.prompts), *(["--smoke"] if args.smoke else [])], check=True)
-            runs[mode].append(json.loads((out / f"{name}.json").read_text()))
+            if args.smoke:  # here, on the caller's Ray when it has one: the smoke checks the code path, not figures
+                runs[mode].append(run_mode(mode, out, args.prompts, name, smoke=True))
+            else:  # a process of its own: a fresh driver and Ray session, nothing left over from the run before
+                command = [sys.executable, "-m", "bench.multi_turn", "--one", mode, "--out", str(out), "--name", name]
+                subprocess.run([*command, "--prompts", str(args.prompts)], check=True)
+                runs[mode].append(json.loads((out / f"{name}.json").read_text()))
             print(f"bench: {MODES[mode][0]}, run {repeat + 1}: {runs[mode][-1]['summary']['wall_s']:.0f} s", flush=True)
     table = {m: summarize(r, args.skip, args.window) for m, r in runs.items()}
     print_table(table, args, len(runs["sync"][0]["elapsed"]))

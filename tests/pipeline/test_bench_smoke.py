@@ -99,10 +99,10 @@ def test_cpu_share(ray_session, capsys):
 
 
 @pytest.mark.slow
-def test_multi_turn(capsys):
+def test_multi_turn(ray_session, capsys):
     from bench.multi_turn import main
 
-    table = main(["--smoke"])  # each mode's run in a process and a Ray session of its own
+    table = main(["--smoke"])  # the smoke's runs in this process, on the session's Ray
     assert list(table) == ["sync", "partial"]
     assert all(m["s_per_step"] > 0 and m["windows"][0] > 0 and m["audit_ok"] for m in table.values())
     assert "engine idle" in capsys.readouterr().out
