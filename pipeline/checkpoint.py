@@ -122,6 +122,8 @@ def rewind(run_dir: Path, ckpt: Checkpoint) -> dict[str, int]:
     dest.mkdir(parents=True)
     kept = set(ckpt.ledger["prompt_id"].to_pylist())
     moved_steps = _rewind_consumed(run_dir / "consumed", dest / "consumed", ckpt.step)
+    # groups dynamic sampling left out while a later step filled: their prompts are outstanding again
+    _rewind_consumed(run_dir / "filtered", dest / "filtered", ckpt.step)
     moved_samples = _rewind_samples(run_dir / "samples", dest / "samples", kept)
     moved_metrics = _rewind_metrics(run_dir / "metrics.jsonl", dest / "metrics.jsonl", ckpt.step)
     for name in ("admitted.parquet", "summary.json", "audit.txt"):  # the dead attempt's, if it got that far

@@ -39,8 +39,11 @@ class VersionClock:
         self.version = version
         self.admitted_in_version = 0  # verl's staleness_samples: admitted this version + carried over
         self.carried_over = 0
+        self.filtered_in_version = 0  # prompts dynamic sampling filtered this version: each frees its permit
+        self.filtered_total = 0
         self.paused = False
         self.closed = False
+        self.source_done = False  # the gate admitted the whole source
         # prompt_id -> (admitted_version, admitted_time); a prior entry can never be admitted again
         self.ledger: dict[str, tuple[int, float]] = {pid: (v, t) for pid, v, t in prior}
         self.outstanding: dict[str, int] = {}  # admitted, not yet consumed: prompt_id -> admitted_version
@@ -68,7 +71,7 @@ class VersionClock:
         return self.version, admitted
 
     def _permits(self) -> int:
-        return self.budget.permits(self.admitted_in_version, self.carried_over)
+        return self.budget.permits(self.admitted_in_version - self.filtered_in_version, self.carried_over)
 
     async def consumed(self, prompt_ids: list[str]) -> None:
         async with self._changed:
@@ -76,6 +79,20 @@ class VersionClock:
                 if self.outstanding.pop(pid, None) is None:
                     raise ValueError(f"prompt {pid} consumed but not outstanding (never admitted or consumed twice)")
             self._changed.notify_all()
+
+    async def filtered(self, prompt_ids: list[str]) -> int:
+        """Dynamic sampling left these prompts' groups out (stages/group_filter.py): they are done, like consumed ones,
+        and each frees its permit at once, so the gate admits a prompt in its place. Outstanding prompts never exceed
+        max_required_samples still (the permits count admissions less refunds, and consumption refunds nothing until
+        the sync), which is what the lag bound rests on (stages/staleness.py). Returns the version it happened in."""
+        async with self._changed:
+            for pid in prompt_ids:
+                if self.outstanding.pop(pid, None) is None:
+                    raise ValueError(f"prompt {pid} filtered but not outstanding (never admitted, or done already)")
+            self.filtered_in_version += len(prompt_ids)
+            self.filtered_total += len(prompt_ids)
+            self._changed.notify_all()
+            return self.version
 
     async def outstanding_at_or_before(self, version: int) -> int:
         return sum(1 for v in self.outstanding.values() if v <= version)
@@ -95,7 +112,7 @@ class VersionClock:
                 self.newest = (new_version, snapshot)
             self.version = new_version
             self.carried_over = len(self.outstanding)
-            self.admitted_in_version = 0
+            self.admitted_in_version = self.filtered_in_version = 0
             self.paused = False
             self._changed.notify_all()
 
@@ -180,7 +197,11 @@ class VersionClock:
             self._changed.notify_all()
 
     async def wait_closed(self) -> None:
+        """The gate's last call, once it admitted every prompt of the source: nothing more will be admitted (what
+        dynamic sampling's sink needs to know that no group is left to come), and the end-of-stream marker stays
+        in the gate until the trainer is done."""
         async with self._changed:
+            self.source_done = True
             await self._changed.wait_for(lambda: self.closed)
 
     # --- reporting -------------------------------------------------------------------------------------------
@@ -197,6 +218,8 @@ class VersionClock:
             "outstanding": len(self.outstanding),
             "admitted_in_version": self.admitted_in_version,
             "carried_over": self.carried_over,
+            "filtered_total": self.filtered_total,
+            "source_done": self.source_done,
             "gate_blocked_s": self.gate_blocked_s,
         }
 

@@ -40,6 +40,7 @@ def finish_run(ctx, clock, sink) -> dict[str, Any]:
         ctx.run_dir / "admitted.parquet",
     )
     outstanding = ray.get(clock.stats.remote())["outstanding"]
+    sink.finish()
     sink.close()
     ray_internals.wait_for_data_threads()  # before ray.shutdown(): see there
     report = audit(ctx.run_dir)

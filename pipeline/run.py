@@ -20,7 +20,7 @@ from pipeline.finish import finish_run, interrupted, restart_or_raise
 from pipeline.observe.faults import FaultLog
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
 from pipeline.prepare import Attempt, RunContext, prepare
-from pipeline.stream import build_stream, configure_data_context, placement, step_transform
+from pipeline.stream import build_stream, configure_data_context, dynamic_sampling, placement, step_transform
 from pipeline.trainer_launch import start_trainer
 from pipeline.validate import make_validator
 from stages import ray_internals
@@ -62,6 +62,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, attempt: Attempt, restarts: int) -> d
         str(ctx.run_dir / "consumed"),
         lambda v: ray.get(clock.outstanding_at_or_before.remote(v)),
         step_transform(cfg),  # reinforce_plus_plus*: whitened over the step, as verl does over its batch
+        dynamic_sampling(cfg, clock, str(ctx.run_dir / "filtered"), ctx.start_step),  # DAPO's, when enabled
     )
     attempt.stream = sink  # closed before Ray stops, whatever ends the run
     monitor = ctx.monitor

@@ -43,12 +43,14 @@ from pipeline.tasks.source import PromptDataError
 from stages import ray_internals
 from stages.advantage import ESTIMATORS, whiten_step
 from stages.gate import StalenessGate
+from stages.group_filter import GroupFilter
 from stages.handoff import SplitTokens, TokenTables
 from stages.remote_reward import RemoteReward
 from stages.reward_model import RewardModel
 from stages.reward_sources import RewardSources
 from stages.sample_log import SampleLog
 from stages.scored_generate import ScoredGenerate
+from stages.sink import DynamicSampling
 
 MiB = 1 << 20
 SCHEDULING_WAIT_S = 0.02  # how long Ray Data's scheduling loop waits for its tasks (configure_data_context)
@@ -142,6 +144,22 @@ def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
     the estimators that ask for it (`whiten_over_step`), an estimator's own `over_step` (gpg's scale), else nothing."""
     cls, _ = advantage_stage(cfg)
     return whiten_step if getattr(cls, "whiten_over_step", False) else getattr(cls, "over_step", None)
+
+
+def dynamic_sampling(cfg: RunConfig, clock, path: str, start_step: int) -> DynamicSampling | None:
+    """The sink's dynamic sampling when algorithm.filter_groups.enable: its filter, the clock's refund of a filtered
+    prompt's permit, and the cap, max_num_gen_batches steps' worth of groups."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        return None
+    cap = fg.max_num_gen_batches * cfg.async_training.require_batches * cfg.actor.ppo_mini_batch_size
+
+    def drained(buffered: int) -> bool:
+        stats = ray.get(clock.stats.remote())
+        return stats["source_done"] and stats["outstanding"] == buffered
+
+    on_filtered = lambda ids: ray.get(clock.filtered.remote(ids))  # noqa: E731
+    return DynamicSampling(GroupFilter(fg.metric), on_filtered, path, cap, start_step, drained)
 
 
 def reward_step(cfg: RunConfig) -> RewardSources:

@@ -184,6 +184,13 @@ TRAIN_COLUMNS = (
     _col("consumed_time", pa.float64(), "when the trainer consumed the sample (s since epoch)"),
 )
 
+# Added by the training sink to the groups dynamic sampling filters (stages/group_filter.py), which are never trained.
+FILTER_COLUMNS = (
+    _col("filtered_version", pa.int64(), "the clock's weight version when the sink filtered the sample's group"),
+    _col("filtered_step", pa.int64(), "the step the sink was filling when it filtered the group (1-based)"),
+    _col("filtered_value", pa.float64(), "the filter metric's value, the same for every response of the group"),
+)
+
 ALL_COLUMNS = (
     PROMPT_COLUMNS
     + GATE_COLUMNS
@@ -214,9 +221,14 @@ CONSUMED_SCHEMA = pa.schema(
     [pa.field("sample_id", pa.string()), pa.field("prompt_id", pa.string())]
     + [pa.field(c.name, c.type) for c in TRAIN_COLUMNS]
 )
+# The sink's filter log: one row per trajectory of a group dynamic sampling left out (algorithm.filter_groups).
+FILTERED_SCHEMA = pa.schema(
+    [pa.field("sample_id", pa.string()), pa.field("prompt_id", pa.string())]
+    + [pa.field(c.name, c.type) for c in FILTER_COLUMNS]
+)
 # The gate's admission log: one row per admitted prompt.
 ADMITTED_SCHEMA = pa.schema([pa.field("prompt_id", pa.string())] + [pa.field(c.name, c.type) for c in GATE_COLUMNS])
-COLUMN_DOCS = {c.name: c.doc for c in ALL_COLUMNS + TRAIN_COLUMNS}
+COLUMN_DOCS = {c.name: c.doc for c in ALL_COLUMNS + TRAIN_COLUMNS + FILTER_COLUMNS}
 
 
 # prompt_id of the last row of every stream. The gate holds it until the trainer is done, so the stream (and with it

@@ -2,13 +2,18 @@
 
 Input columns:  all of schemas.SAMPLE_SCHEMA (complete GRPO groups)
 Output:         per step, `require_batches` mini-batches of `ppo_mini_batch_size` groups; a consumption log
-                (sample_id, prompt_id, consumed_version, consumed_step, consumed_time) in Parquet
+                (sample_id, prompt_id, consumed_version, consumed_step, consumed_time) in Parquet; with dynamic
+                sampling, a filter log (schemas.FILTERED_SCHEMA) of the groups it left out
 
 Blocks arrive in completion order, not admission order: a long response admitted early may land after short
 ones admitted later. The sink keeps a small buffer of complete groups, trains on the oldest admissions first,
 and before the last steps of a version it waits for the outstanding prompts that would otherwise exceed the lag
 bound (see stages.staleness). That makes `lag <= ceil(staleness_threshold)` true by construction, and the
 audit checks it from the logs. Data never waits in the sink longer than the bound requires.
+
+With dynamic sampling (algorithm.filter_groups, stages.group_filter) a group without signal never enters the buffer:
+the clock hears of it at once and admits a prompt in its place, and its rows go to the filter log with the step
+being filled, so every step still trains `required_samples` groups.
 
 Blocks arrive as stages.handoff.Delivered: the scalar columns, and a reference to the per-token ones, which stay in
 Ray's object store until the trainer fetches them (a plain table holding every column is taken too). A step goes to
@@ -27,7 +32,8 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import CONSUMED_SCHEMA, PER_TOKEN_COLUMNS, REQUIRED_COLUMNS, require_columns
+from schemas import CONSUMED_SCHEMA, FILTERED_SCHEMA, PER_TOKEN_COLUMNS, REQUIRED_COLUMNS, require_columns
+from stages.group_filter import GroupFilter
 from stages.handoff import Delivered, StepRows
 from stages.sample_log import write_shard
 from stages.staleness import StalenessBudget
@@ -43,6 +49,7 @@ class Step:
     refs: list = field(default_factory=list)  # per group: the reference of its per-token columns (or None)
     transform: Callable[[pa.Table], pa.Table] | None = None
     heavy_bytes: int = 0  # the per-token columns' size, left in the object store
+    filtered_groups: int | None = None  # groups dynamic sampling left out while this step filled (None: it is off)
 
     def minibatches(self, size: int) -> StepRows:
         """The step as the trainer takes it: mini-batches of `size` groups."""
@@ -69,8 +76,10 @@ class TrainingSink:
         consumed_path: str,
         outstanding_at_or_before: Callable[[int], int],
         step_transform: Callable[[pa.Table], pa.Table] | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
     ) -> None:
         self.blocks = blocks
+        self.sampling = dynamic_sampling
         self.step_transform = step_transform
         self.budget = budget
         self.group_size = group_size
@@ -92,8 +101,8 @@ class TrainingSink:
             old_here = sum(1 for pid in self.buffer if self._age(pid)[0] <= threshold)
             if len(self.buffer) >= need and (old_here >= due or self.exhausted):
                 break
-            if self.exhausted:
-                return None
+            if self.exhausted or (self.sampling is not None and self.sampling.drained(len(self.buffer))):
+                return None  # with dynamic sampling the source can run dry before the stream ends: no group to come
             t0 = time.monotonic()
             block = next(self.blocks, None)
             waited += time.monotonic() - t0
@@ -105,7 +114,8 @@ class TrainingSink:
         groups = [self.buffer.pop(pid) for pid in chosen]
         refs = [self.refs.pop(pid) for pid in chosen]
         heavy = sum(size for _, size in refs)
-        return Step(groups, waited, version, [ref for ref, _ in refs], self.step_transform, heavy)
+        filtered = self.sampling.step_filled() if self.sampling else None
+        return Step(groups, waited, version, [ref for ref, _ in refs], self.step_transform, heavy, filtered)
 
     def _age(self, prompt_id: str) -> tuple[int, float, str]:
         t = self.buffer[prompt_id]
@@ -122,6 +132,8 @@ class TrainingSink:
             group = block.filter(pc.equal(block["prompt_id"], pid))
             if group.num_rows != self.group_size or pid in self.buffer:
                 raise ValueError(f"group {pid} arrived with {group.num_rows} rows (expected {self.group_size}, once)")
+            if self.sampling is not None and self.sampling.leaves_out(group):
+                continue
             self.buffer[pid] = group
             self.refs[pid] = (delivered.ref, delivered.heavy_bytes * group.num_rows // max(block.num_rows, 1))
 
@@ -140,6 +152,13 @@ class TrainingSink:
             schema=CONSUMED_SCHEMA,
         )
         write_shard(log, f"{self.consumed_path}/step-{step_index:07d}.parquet")
+        if self.sampling is not None:
+            self.sampling.write(step_index)
+
+    def finish(self) -> None:
+        """Write what dynamic sampling filtered after the last step (while a step filled that was never trained)."""
+        if self.sampling is not None:
+            self.sampling.write(self.sampling.step + 1)
 
     def close(self) -> None:
         """Stop the stream: closing its iterator shuts down Ray Data's executor and the stage actors."""
@@ -150,3 +169,73 @@ class TrainingSink:
     def leftover(self) -> list[str]:
         """Prompts delivered to the sink but never trained on (reported at the end of a run)."""
         return list(self.buffer)
+
+
+class FilterCapError(RuntimeError):
+    """Dynamic sampling filtered more groups than algorithm.filter_groups.max_num_gen_batches allows for one step."""
+
+
+class DynamicSampling:
+    """The sink's part of DAPO's dynamic sampling: decide each group (stages.group_filter), tell the clock of the ones
+    left out (`on_filtered(prompt_ids)` returns the clock's version), and keep their rows for the filter log, which
+    `write(step)` appends as the shard of the step they were filtered while filling."""
+
+    def __init__(
+        self,
+        group_filter: GroupFilter,
+        on_filtered: Callable[[list[str]], int],
+        path: str,
+        max_per_step: int = 0,
+        start_step: int = 0,
+        drained: Callable[[int], bool] = lambda buffered: False,
+    ) -> None:
+        """`drained(buffered)`: whether the gate admitted the whole source and every prompt not yet trained or
+        filtered is among the `buffered` groups the sink holds (no group is left to come)."""
+        self.filter, self.on_filtered, self.path = group_filter, on_filtered, path.rstrip("/")
+        self.drained = drained
+        self.max_per_step = max_per_step  # 0: no cap
+        self.step = start_step  # the last step written (a resumed run's checkpoint step before the first)
+        self.pending: list[pa.Table] = []
+        self.since_step = 0  # groups filtered while the current step fills
+
+    def leaves_out(self, group: pa.Table) -> bool:
+        value = self.filter.shared_value(group)
+        if value is None:
+            return False
+        version = self.on_filtered([group["prompt_id"][0].as_py()])
+        n = group.num_rows
+        self.pending.append(
+            pa.table(
+                {
+                    "sample_id": group["sample_id"],
+                    "prompt_id": group["prompt_id"],
+                    "filtered_version": pa.array([version] * n, pa.int64()),
+                    "filtered_step": pa.array([0] * n, pa.int64()),  # set when written: the step being filled
+                    "filtered_value": pa.array([value] * n, pa.float64()),
+                },
+                schema=FILTERED_SCHEMA,
+            )
+        )
+        self.since_step += 1
+        if self.max_per_step and self.since_step > self.max_per_step:
+            raise FilterCapError(
+                f"dynamic sampling filtered {self.since_step} groups while one step filled, more than "
+                f"algorithm.filter_groups.max_num_gen_batches allows ({self.max_per_step} groups): every group's "
+                f"{self.filter.metric} is the same, so the data are too easy or too hard for the policy; raise "
+                "max_num_gen_batches, or set it to 0 for no cap"
+            )
+        return True
+
+    def step_filled(self) -> int:
+        """Groups filtered while the step just filled; the count restarts."""
+        count, self.since_step = self.since_step, 0
+        return count
+
+    def write(self, step: int) -> None:
+        self.step = step
+        if not self.pending:
+            return
+        table = pa.concat_tables(self.pending)
+        table = table.set_column(3, "filtered_step", pa.array([step] * table.num_rows, pa.int64()))
+        write_shard(table, f"{self.path}/step-{step:07d}.parquet")
+        self.pending = []

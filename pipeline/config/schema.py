@@ -111,6 +111,22 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """verl's `algorithm.filter_groups.*`: DAPO's dynamic sampling (stages/group_filter.py). A group whose metric is
+    the same for every response carries no GRPO signal: it is logged, never trained, and the gate admits a prompt in
+    its place, so every step still trains its full batch of groups."""
+
+    enable: bool = False
+    """Filter groups whose `metric` does not vary."""
+    metric: str | None = None
+    """'reward', 'seq_reward' or 'seq_final_reward' (the sample's reward), or a key of the reward function's extra
+    info ('acc', 'score' with verl's dapo manager); a group without it fails the run, naming it."""
+    max_num_gen_batches: int = 0
+    """Fail the run once more than this many steps' worth of groups are filtered while one step fills (verl's DAPO
+    cap: the data are too easy or too hard for the policy); 0: no cap."""
+
+
+@dataclass
 class AlgorithmConfig:
     """verl's `algorithm.*`: the advantage estimator, the KL in the reward, rollout correction."""
 
@@ -132,6 +148,8 @@ class AlgorithmConfig:
     """The KL coefficient (fixed only)."""
     rollout_correction: CorrectionSettings = field(default_factory=CorrectionSettings)
     """verl's `algorithm.rollout_correction.*`: off-policy correction between engine and trainer."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling."""
 
     def __post_init__(self) -> None:
         if self.adv_estimator in REFUSED_ESTIMATORS:
@@ -139,6 +157,19 @@ class AlgorithmConfig:
                 f"algorithm.adv_estimator={self.adv_estimator} needs {REFUSED_ESTIMATORS[self.adv_estimator]}, "
                 "which asyncrl does not have: use grpo, rloo, reinforce_plus_plus(_baseline), grpo_passk, opo or gpg"
             )
+        fg = self.filter_groups
+        if fg.enable and not fg.metric:
+            raise ValueError(
+                "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric: 'seq_reward' (the reward) "
+                "or a key of the reward function's extra info such as 'acc'"
+            )
+        if fg.enable and fg.metric == "seq_final_reward" and self.use_kl_in_reward:
+            raise ValueError(
+                "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true would filter on "
+                "the KL-paid token rewards, which are computed in the trainer: use metric=seq_reward"
+            )
+        if fg.max_num_gen_batches < 0:
+            raise ValueError("algorithm.filter_groups.max_num_gen_batches is a count of steps (0: no cap)")
 
 
 @dataclass

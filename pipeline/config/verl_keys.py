@@ -177,10 +177,10 @@ RULES: dict[str, Rule] = {
     "data.image_key": capability("image inputs (multimodal prompts)"),
     "data.custom_cls.*": capability("a dataset class of your own (pipeline/tasks/source.py reads verl's RL format)"),
     # --- the algorithm --------------------------------------------------------------------------------------------
-    "algorithm.filter_groups.enable": capability(
-        "DAPO's dynamic sampling (dropping groups whose rewards are all equal), not built yet"
+    "algorithm.filter_groups.max_inflight_gen_batches": note(
+        "verl's bound on concurrent generation batches under dynamic sampling: prompts stream one by one here, and a "
+        "filtered group's place is taken by the next prompt the gate admits"
     ),
-    "algorithm.filter_groups.*": note("it tunes dynamic sampling, which is off (algorithm.filter_groups.enable)"),
     "async_training.use_dynamic_resource_scheduling": capability(
         "dynamic resource scheduling (moving GPUs between rollout and training during the run)"
     ),

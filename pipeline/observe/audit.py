@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.observe.audit_check import Check, examples
 from pipeline.observe.audit_derived import advantages_match, metrics_match
+from pipeline.observe.audit_filter import filtered_at, filtered_groups
 from pipeline.observe.audit_tokens import (
     no_token_older_than_admission,
     per_token_columns,
@@ -91,6 +92,7 @@ class RunLogs:
     consumed: pa.Table | None
     admitted: pa.Table
     metrics: list[dict[str, Any]]
+    filtered: pa.Table | None = None  # groups dynamic sampling left out (None: none, or it was off)
 
 
 def read_dir(path: Path) -> pa.Table | None:
@@ -123,6 +125,7 @@ def read_run(run_dir: str | Path) -> RunLogs:
         read_dir(run_dir / "consumed"),
         pq.read_table(run_dir / "admitted.parquet"),
         [json.loads(line) for line in lines if line.strip()],
+        read_dir(run_dir / "filtered"),
     )
 
 
@@ -147,13 +150,15 @@ def audit(run_dir: str | Path) -> AuditReport:
         no_token_older_than_admission(samples, logs.admitted),
         per_token_columns(samples),
         _exactly_once(consumed),
-        _admissions(logs.admitted, consumed, samples, report),
-        _windows(logs.admitted, consumed, budget),
+        _admissions(logs.admitted, consumed, samples, report, filtered_at(logs.filtered)),
+        _windows(logs.admitted, consumed, budget, filtered_at(logs.filtered)),
         advantages_match(samples, logs.cfg),
         metrics_match(logs.metrics, consumed, samples, by_id),
     ]
     if "routed_experts" in samples.column_names and samples["routed_experts"].null_count < samples.num_rows:
         report.checks.append(route_rows(samples, route_width(logs.run_dir)))
+    if logs.filtered is not None or logs.cfg.algorithm.get("filter_groups", {}).get("enable", False):
+        report.checks.append(filtered_groups(logs.filtered, consumed, samples, logs.cfg))
     failures = reward_failures(samples)
     if failures is not None:
         report.checks.append(Check("every failed reward accounted for", *failures))
@@ -241,30 +246,39 @@ def _exactly_once(consumed: pa.Table) -> Check:
     )
 
 
-def _admissions(admitted: pa.Table, consumed: pa.Table, samples: pa.Table, report: AuditReport) -> Check:
-    """The ledger admits each prompt once; every prompt trained on, or generated at all, was admitted."""
+def _admissions(
+    admitted: pa.Table, consumed: pa.Table, samples: pa.Table, report: AuditReport, filtered: dict[str, int]
+) -> Check:
+    """The ledger admits each prompt once; every prompt trained on, filtered, or generated at all, was admitted; no
+    prompt is both trained on and filtered."""
     ledger = admitted["prompt_id"].to_pylist()
     admitted_ids = set(ledger)
     consumed_ids = set(consumed["prompt_id"].to_pylist())
-    stray = sorted(consumed_ids - admitted_ids)
-    unadmitted = sorted(set(samples["prompt_id"].to_pylist()) - admitted_ids - consumed_ids)
+    done = consumed_ids | set(filtered)
+    stray = sorted(done - admitted_ids)
+    both = sorted(consumed_ids & set(filtered))
+    unadmitted = sorted(set(samples["prompt_id"].to_pylist()) - admitted_ids - done)
     twice = sorted(pid for pid, n in Counter(ledger).items() if n > 1)
-    report.unconsumed_prompts = len(admitted_ids - consumed_ids)
+    report.unconsumed_prompts = len(admitted_ids - done)
     return Check(
-        "every admitted prompt consumed once or reported in flight",
-        not stray and not twice and not unadmitted,
-        f"{len(consumed_ids)} consumed, {report.unconsumed_prompts} in flight at the end, "
-        f"{len(stray)} consumed without admission{examples(stray)}, {len(twice)} admitted twice{examples(twice)}, "
+        "every admitted prompt consumed or filtered once, or reported in flight",
+        not stray and not twice and not unadmitted and not both,
+        f"{len(consumed_ids)} consumed, {len(filtered)} filtered{examples(both, 'also trained')}, "
+        f"{report.unconsumed_prompts} in flight at the end, "
+        f"{len(stray)} done without admission{examples(stray)}, {len(twice)} admitted twice{examples(twice)}, "
         f"{len(unadmitted)} generated without admission{examples(unadmitted)}",
     )
 
 
-def _windows(admitted: pa.Table, consumed: pa.Table, budget: StalenessBudget) -> Check:
+def _windows(admitted: pa.Table, consumed: pa.Table, budget: StalenessBudget, filtered: dict[str, int]) -> Check:
     """verl's rule per version v, the gate's budget: the prompts admitted at v plus those carried over into v
-    (admitted earlier and not trained on before v began, i.e. consumed at a version >= v or never) stay within
-    max_required_samples. The trainer reports a step's prompts consumed before it syncs, so the gate's count at a
-    sync is at least this one: a window over the budget here is one the gate let through."""
+    (admitted earlier and not trained on before v began, i.e. consumed at a version >= v or never), less the prompts
+    dynamic sampling filtered during v (each frees its permit), stay within max_required_samples. The trainer
+    reports a step's prompts consumed before it syncs, so the gate's count at a sync is at least this one: a window
+    over the budget here is one the gate let through."""
     consumed_at = dict(zip(consumed["prompt_id"].to_pylist(), consumed["consumed_version"].to_pylist(), strict=True))
+    consumed_at |= filtered  # a filtered prompt is done in the version it was filtered in
+    refunds = Counter(filtered.values())
     versions = admitted["admitted_version"].to_pylist()
     in_version = Counter(versions)
     last = max(in_version, default=0)
@@ -278,8 +292,8 @@ def _windows(admitted: pa.Table, consumed: pa.Table, budget: StalenessBudget) ->
     carried, over = 0, []
     for v in range(last + 1):
         carried += change[v]
-        if in_version[v] + carried > budget.max_required_samples:
-            over.append(f"version {v} ({in_version[v]} admitted + {carried} carried over)")
+        if in_version[v] + carried - refunds[v] > budget.max_required_samples:
+            over.append(f"version {v} ({in_version[v]} admitted + {carried} carried over - {refunds[v]} filtered)")
     return Check(
         "admissions per version within verl's budget",
         not over,

@@ -96,4 +96,21 @@ def step_metrics(
             "gate/outstanding": float(clock_stats["outstanding"]),
             "gate/blocked_s": float(clock_stats["gate_blocked_s"]),
         }
+        | filter_metrics(batch, clock_stats)
     )
+
+
+def filter_metrics(batch, clock_stats: dict[str, Any]) -> dict[str, float]:
+    """Dynamic sampling's account of the step (nothing when it is off): the groups it left out while the step filled,
+    the groups trained, and groups generated per group trained; under verl's V1 name too, which counts groups."""
+    filtered = batch.filtered_groups
+    if filtered is None:
+        return {}
+    kept = len(batch.groups)
+    return {
+        "filter_groups/filtered_groups": float(filtered),
+        "filter_groups/kept_groups": float(kept),
+        "filter_groups/generated_per_trained": (filtered + kept) / kept,
+        "filter_groups/filtered_total": float(clock_stats.get("filtered_total", 0)),
+        "training/filter_groups/evicted_samples": float(filtered),
+    }

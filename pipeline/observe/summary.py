@@ -39,7 +39,19 @@ def summarize(run_dir: Path, report) -> dict[str, Any]:
         "wall_s": rows[-1]["timing/elapsed_s"] if rows else 0.0,
         "audit_ok": report.ok,
         **_validation(run_dir),
+        **_filtered(run_dir),
     }
+
+
+def _filtered(run_dir: Path) -> dict[str, Any]:
+    """Dynamic sampling's total: the groups it left out (samples of the filter log / group size), if it ran."""
+    path = run_dir / "filtered"
+    if not path.is_dir():
+        return {}
+    import pyarrow.dataset as pds
+
+    prompts = pds.dataset(str(path), format="parquet").to_table(columns=["prompt_id"])["prompt_id"]
+    return {"groups_filtered": len(set(prompts.to_pylist()))}
 
 
 def _validation(run_dir: Path) -> dict[str, Any]:
@@ -63,7 +75,8 @@ def format_summary(s: dict[str, Any], report) -> str:
             "",
             "== asyncrl run summary ==",
             f"steps {s['steps']}, samples consumed {s['samples_consumed']}, prompts admitted {s['prompts_admitted']} "
-            f"({s['prompts_in_flight_at_end']} still in flight at the end)",
+            f"({s['prompts_in_flight_at_end']} still in flight at the end"
+            + (f", {s['groups_filtered']} groups filtered by dynamic sampling)" if "groups_filtered" in s else ")"),
             f"reward {s['reward_first']:.3f} (first 10% of steps) -> {s['reward_last']:.3f} (last 10%)",
             f"max lag {s['max_lag']} (bound {s['lag_bound']}), syncs {s['syncs']}, "
             f"trainer blocked {s['sync_mean_s']:.3f}s per sync, trainer idle {s['trainer_idle_ratio']:.2f}, "

@@ -185,7 +185,7 @@ MUTATIONS = {
     versions_decrease: "token versions never decrease",
     span_over_the_bound: "partial span <= bound",
     logprob_missing: "per-token columns line up",
-    consumed_without_admission: "every admitted prompt consumed once or reported in flight",
+    consumed_without_admission: "every admitted prompt consumed or filtered once, or reported in flight",
 }
 
 

@@ -95,7 +95,6 @@ def test_the_dapo_7b_recipe_loads_scaled_to_cpu_and_means_what_verl_means():
         ("trainer.device=npu", "a device other than CUDA GPUs or the CPU"),
         ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=8", "Ulysses sequence parallelism"),
         ("actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01", "an MoE load-balancing loss"),
-        ("algorithm.filter_groups.enable=True", "DAPO's dynamic sampling"),
         ("data.image_key=images", "image inputs"),
     ],
 )
