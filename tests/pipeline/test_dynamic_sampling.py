@@ -17,6 +17,7 @@ import pytest
 def test_groups_without_signal_are_filtered_and_replaced(run_job):
     summary, run_dir = run_job(
         "rollout.n=2",
+        "rollout.prompts_per_call=1",  # dynamic sampling streams prompts one at a time, as verl's does
         "actor.ppo_mini_batch_size=4",
         "rollout.total_rollout_steps=96",  # prompts admitted: trained or filtered
         "data.max_response_length=24",

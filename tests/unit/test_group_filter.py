@@ -129,3 +129,17 @@ def test_the_audit_fails_a_filter_log_that_lies(tmp_path):
         assert not check.ok and why in check.detail, check.detail
     check = filtered_groups(honest, trained_c, samples, cfg)
     assert not check.ok and "c (trained, its seq_reward the same" in check.detail
+
+
+def test_dynamic_sampling_needs_its_metric_and_one_prompt_per_call():
+    from pipeline.config import ConfigError, load_config
+
+    on = ["algorithm.filter_groups.enable=true", "rollout.prompts_per_call=1"]
+    with pytest.raises(ConfigError, match="needs algorithm.filter_groups.metric"):
+        load_config(None, on)
+    with pytest.raises(ConfigError, match="set rollout.prompts_per_call=1"):
+        load_config(None, [*on[:1], "algorithm.filter_groups.metric=acc", "rollout.prompts_per_call=2"])
+    cfg = load_config(
+        None, [*on, "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=3"]
+    )
+    assert (cfg.algorithm.filter_groups.metric, cfg.algorithm.filter_groups.max_num_gen_batches) == ("acc", 3)
