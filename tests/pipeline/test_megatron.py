@@ -113,5 +113,10 @@ def test_embedded_job_learns_with_megatron(run_job):
     curve = [round(r["reward/mean"], 2) for r in rows]
     print(f"megatron run: {summary['steps']} steps in {time.monotonic() - start:.0f} s, reward curve {curve}")
     assert summary["audit_ok"]
-    # Measured: +0.17 and +0.18 over these 25 steps (0.20 -> 0.38); a flat or falling reward fails.
-    assert summary["reward_last"] - summary["reward_first"] >= 0.1, curve
+    # The first and last quarter of the steps (6 each): the summary's tenths are 2 steps of 8 prompts here, and one
+    # lucky early step (0.24 in 0.14-0.18) once left them 0.09 apart on a curve that rose from 0.16 to 0.32 by
+    # quarters. Measured by quarters: +0.16; a flat or falling reward fails.
+    quarter = max(1, len(rows) // 4)
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
+    assert last - first >= 0.1, curve
