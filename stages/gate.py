@@ -8,7 +8,9 @@ trainer. This stage runs as a single actor that takes one call at a time; each c
 (through stages.control.ClockLink) for permits and yields the rows it was allowed to admit, so Ray Data stops pulling
 prompts exactly when verl's rollouter would pause. A block is split when only part of it fits the current version's
 budget: never more than `max_required_samples` prompts are admitted per version, and never fewer when the trainer
-needs them.
+needs them. Ray Data hands on what a call yields only when the call ends: the part of a split block admitted before
+a sync reaches the engines with the rest, after the sync (verl counts it as carried over all the same). Dynamic
+sampling, whose refunds a held part could block, therefore takes blocks of one prompt (pipeline/config/checks.py).
 """
 
 from __future__ import annotations
