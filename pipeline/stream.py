@@ -158,7 +158,9 @@ def dynamic_sampling(cfg: RunConfig, clock, path: str, start_step: int) -> Dynam
         stats = ray.get(clock.stats.remote())
         return stats["source_done"] and stats["outstanding"] == buffered
 
-    on_filtered = lambda ids: ray.get(clock.filtered.remote(ids))  # noqa: E731
+    def on_filtered(prompt_ids: list[str]) -> int:
+        return ray.get(clock.filtered.remote(prompt_ids))
+
     return DynamicSampling(GroupFilter(fg.metric), on_filtered, path, cap, start_step, drained)
 
 

@@ -23,8 +23,9 @@ import json
 import numpy as np
 import pyarrow as pa
 
+from stages.reward_sources import LEFT_OUT  # the failure policy already keeps these out of the loss
+
 REWARD_METRICS = ("reward", "seq_reward", "seq_final_reward")
-LEFT_OUT = ("masked", "dropped")  # stages.reward_sources: the failure policy already keeps these out of the loss
 
 
 class MissingMetricError(ValueError):

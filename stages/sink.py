@@ -236,6 +236,7 @@ class DynamicSampling:
         if not self.pending:
             return
         table = pa.concat_tables(self.pending)
-        table = table.set_column(3, "filtered_step", pa.array([step] * table.num_rows, pa.int64()))
+        i = FILTERED_SCHEMA.get_field_index("filtered_step")
+        table = table.set_column(i, FILTERED_SCHEMA.field(i), pa.array([step] * table.num_rows, pa.int64()))
         write_shard(table, f"{self.path}/step-{step:07d}.parquet")
         self.pending = []

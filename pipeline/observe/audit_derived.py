@@ -20,6 +20,7 @@ from pipeline.config import ConfigError
 from pipeline.config.targets import advantage_wiring, bind, stage_class
 from pipeline.observe.audit_check import Check, examples
 from stages.advantage import ESTIMATORS
+from stages.reward_sources import LEFT_OUT
 
 ADVANTAGE_TOL = 1e-5  # float32 advantages of the same inputs by the same code: equal but for the float32 rounding
 METRIC_TOL = 1e-6
@@ -85,7 +86,7 @@ def step_values(rows: list[dict[str, Any]], consumed_version: int) -> dict[str, 
     lags = np.asarray([consumed_version - r["param_version"] for r in rows])
     lengths = np.asarray([r["num_tokens"] for r in rows])
     # the loss's samples only: a masked or dropped sample's reward is its scorer's failure, not the policy's score
-    scored = [r["reward"] for r in rows if r.get("reward_status") not in ("masked", "dropped")]
+    scored = [r["reward"] for r in rows if r.get("reward_status") not in LEFT_OUT]
     return {
         "reward/mean": float(np.mean(scored)) if scored else math.nan,
         "reward/error_ratio": float(np.mean([r["reward_error"] is not None for r in rows])),
