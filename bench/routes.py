@@ -8,6 +8,9 @@ requests share (a GRPO group shares its prompt).
 
     python -m bench.routes          # about 2 minutes on 2 cores
     python -m bench.routes --smoke  # the engine's start-up, then one round each way of 4 prompts x 8 tokens
+
+The suite runs `rounds` and `report` as the smoke does on the engine of tests/pipeline/test_moe_routes.py (an engine
+start saved), not this command.
 """
 
 from __future__ import annotations
@@ -78,12 +81,17 @@ def main(argv: list[str] | None = None) -> dict[bool, list[float]]:
     )
     del gen  # the engine shuts down now, not while the interpreter exits
     gc.collect()
+    report(rates, prompts, tokens)
+    return rates
+
+
+def report(rates: dict[bool, list[float]], prompts: int, tokens: int) -> None:
+    """The table: the median round each way, every round, and what capture costs."""
     on, off = statistics.median(rates[True]), statistics.median(rates[False])
     print(f"{'route capture':<16} {'tokens/s (median)':>18}  rounds")
     print(f"{'off':<16} {off:>18.0f}  {', '.join(f'{x:.0f}' for x in rates[False])}")
     print(f"{'on (hook)':<16} {on:>18.0f}  {', '.join(f'{x:.0f}' for x in rates[True])}")
     print(f"capture costs {100 * (1 - on / off):.1f}% of the throughput ({prompts} prompts x {tokens} tokens)")
-    return rates
 
 
 if __name__ == "__main__":

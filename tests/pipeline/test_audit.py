@@ -212,9 +212,9 @@ def test_each_corruption_fails_its_rule_naming_the_sample(logs, tmp_path, mutate
 
 @pytest.mark.slow
 def test_check_mode_passes_the_run_and_fails_its_corruptions(partial_run, logs, tmp_path):
-    """test_modes.check_mode, what each of verl's modes must show, on the same logs: the shared run is async with
+    """modes.check_mode, what each of verl's modes must show, on the same logs: the shared run is async with
     partial rollout (s = 0.5, a sync every step, 34 prompts at 4 per step, 4 responses each)."""
-    from tests.pipeline.test_modes import check_mode
+    from tests.pipeline.modes import check_mode
 
     summary, run_dir = partial_run
     check_mode(summary, run_dir, s=0.5, k=1, prompts=34, per_step=4, n=4)

@@ -3,7 +3,8 @@ bench/smoke.py), so that one that breaks shows here rather than the next time so
 print its table, and return (or print) results of the shape its table needs; the figures themselves mean nothing.
 
 The benchmarks that run their jobs through pipeline.run share this session's Ray; those that start and stop a Ray
-of their own (or a vLLM engine in their own process) run as the command the docs give.
+of their own (or a vLLM engine in their own process) run as the command the docs give. bench.routes' smoke runs its
+rounds and table on the engine of test_moe_routes.py, which starts the same MoE engine with route capture.
 """
 
 from __future__ import annotations
@@ -139,9 +140,3 @@ def test_weight_sync():
 def test_data_parallel():
     out = bench("data_parallel")
     assert all(layout in out for layout in ("torch DP2", "megatron DP2xTP1", "megatron DP1xTP2"))
-
-
-@pytest.mark.slow
-def test_routes():
-    out = bench("routes")
-    assert "on (hook)" in out and "capture costs" in out

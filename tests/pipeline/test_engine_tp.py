@@ -1,6 +1,6 @@
 """An engine over two tensor-parallel ranks (rollout.tensor_model_parallel_size=2; on CPU two worker processes, a
-core each): the embedded job runs and passes its audit and verl's on-policy mode's checks (test_modes.py), and a
-weight sync reaches both ranks.
+core each): the embedded job runs and passes its audit and verl's on-policy mode's checks (tests/pipeline/modes.py),
+and a weight sync reaches both ranks.
 
 The job is synchronous (staleness 0) and recomputes the engine's logprobs in the trainer (compute_prox_log_prob), so
 every step compares the engine's logprobs at version v with the trainer's own at v: they agree only if both ranks
@@ -22,7 +22,7 @@ from stages.generate import VLLMGenerate
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
-from tests.pipeline.test_modes import check_mode
+from tests.pipeline.modes import check_mode
 
 TOL = 1e-4  # float32 logprobs, engine against trainer (measured differences are around 1e-6)
 TP = 2
@@ -59,7 +59,7 @@ def test_an_engine_over_two_ranks_runs_the_job_and_takes_every_push(run_job, tmp
         name="engine_tp",
     )
     assert summary["audit_ok"] and summary["steps"] == 3, (run_dir / "audit.txt").read_text()
-    check_mode(summary, run_dir, s=0.0, k=1, prompts=12, per_step=4, n=4)  # verl's on-policy mode (test_modes.py)
+    check_mode(summary, run_dir, s=0.0, k=1, prompts=12, per_step=4, n=4)  # verl's on-policy mode
     loads = [json.loads(line) for line in (run_dir / "weight_loads.jsonl").read_text().splitlines()]
     assert [(load["version"], load["engine_ranks"]) for load in loads] == [(1, TP), (2, TP), (3, TP)]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -10,8 +10,8 @@ that every fault lands in the middle of the run:
 3. once a checkpoint C follows both restarts and steps past it are logged, the trainer actor is killed: the run
    restores C in the same command (trainer.max_restarts) and goes on;
 4. once the next checkpoint C2 and steps past it are logged, the driver is killed: `resume=true` (shortened to end 8
-   steps after C2, at least 32 in all) rewinds to C2, retrains the steps after it and admits the prompts the dead
-   attempt had in flight again, exactly once.
+   steps after C2, at least 32 in all, and with one replica: a resumed run may change its engines) rewinds to C2,
+   retrains the steps after it and admits the prompts the dead attempt had in flight again, exactly once.
 
 Each step waits for the event itself (a replica registered again, a checkpoint written, a step logged), never for a
 time. One run, checked many ways: the fault log and counters, both rewinds, exactly-once training, the audit,
@@ -174,7 +174,8 @@ def test_a_replica_an_engine_the_trainer_and_the_driver_die_and_nothing_is_lost(
     assert max(dead["consumed_step"].to_pylist()) > ckpt2  # trained past the checkpoint
 
     steps = max(ckpt2 + 8, 32)
-    second = Run(tmp_path, "faults", f"rollout.total_rollout_steps={steps * PER_STEP}", *job, "resume=true")
+    resume = ["rollout.num_replicas=1", "trainer.save_freq=8", "resume=true"]  # one engine to start, not two
+    second = Run(tmp_path, "faults", f"rollout.total_rollout_steps={steps * PER_STEP}", *resume)
     second.finish()
     check_faulted_run(second.dir, first.out.read_text(), ckpt, ckpt2, steps)
 

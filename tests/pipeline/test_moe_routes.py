@@ -18,6 +18,7 @@ the test asks for 99% of (token, layer) pairs to agree (measured: all of them).
 import numpy as np
 import pytest
 
+from bench import routes as bench_routes
 from pipeline import sync
 from pipeline.clock import VersionClock
 from pipeline.tasks.embedded import TOP_K, build_embedded
@@ -85,7 +86,7 @@ def check_routes(out, weights_of, mode: str) -> tuple[int, int, int]:
 
 
 @pytest.mark.slow
-def test_routes_survive_partial_rollout_and_match_transformers(ray_session, tmp_path):
+def test_routes_survive_partial_rollout_and_match_transformers(ray_session, tmp_path, capsys):
     ray = ray_session
     from transformers import AutoTokenizer
 
@@ -151,6 +152,13 @@ def test_routes_survive_partial_rollout_and_match_transformers(ray_session, tmp_
     # After the pushes, fresh prompts: every row is the pushed weights' (the file the trainer publishes).
     agree, total, _ = check_routes(ray.get(engine.__call__.remote(batch.slice(0, 2))), lambda v: models[2], "abort")
     assert agree >= MIN_AGREEMENT * total, f"after the push: {agree}/{total} routes equal transformers'"
+
+    # bench.routes' smoke on this engine (an engine start saved): a round each way of 4 prompts x 8 tokens, twice
+    ids = [tokenizer(f"reverse: {w} =", add_special_tokens=False)["input_ids"] for w in ("a b", "c d e", "f", "g h")]
+    rates = ray.get(engine.__ray_call__.remote(lambda gen: bench_routes.rounds(gen.replica, ids, 8, 2)))
+    bench_routes.report(rates, 4, 8)
+    assert all(len(r) == 2 and min(r) > 0 for r in rates.values()), rates
+    assert "on (hook)" in capsys.readouterr().out
     ray.kill(engine)
 
 

@@ -1,18 +1,19 @@
 """A multi-node Ray cluster on this machine, and a run submitted to it as a Ray Job and placed by ray.placement.
 
 A head and three worker nodes, each a raylet of its own joined to the head (infra/local_cluster.py: join), two marked
-`trainer: 1`, one `rollout: 1`. The embedded job is submitted to the head's job server (`asyncrl run` as the Ray Job's
-entrypoint, this checkout as its working dir): its driver joins that cluster (Ray Jobs hand it the address), with a
-data-parallel trainer of two ranks (FSDP2) over two nodes (verl's `trainer.n_gpus_per_node=1 trainer.nnodes=2`), two
-engine replicas and `ray.placement=required`. Ray's own record of the run's actors (the state API on the head's
-dashboard, which reads the GCS and keeps ended actors) says which node ran each: the two trainer ranks on the two
-trainer nodes, one each (they meet on rank 0's node address, 127.0.0.1 here), both Generate replicas (which score, log
-and split their blocks) and the actor that owns their per-token tables on the rollout node, the version clock, the
-staleness gate and the driver's TokenTables on the head. The job succeeds, the run passes its audit, no server of the
-cluster listens beyond loopback while it runs, and nothing of the cluster is left once it is stopped.
+`trainer: 1`, one `rollout: 1`. The embedded job, in verl's stream off-policy mode (staleness 0, a sync every 2 steps:
+the mode's checks in tests/pipeline/modes.py run on its logs), is submitted to the head's job server (`asyncrl run` as
+the Ray Job's entrypoint, this checkout as its working dir): its driver joins that cluster (Ray Jobs hand it the
+address), with a data-parallel trainer of two ranks (FSDP2) over two nodes (verl's `trainer.n_gpus_per_node=1
+trainer.nnodes=2`), two engine replicas and `ray.placement=required`. Ray's own record of the run's actors (the state
+API on the head's dashboard, which reads the GCS and keeps ended actors) says which node ran each: the two trainer ranks
+on the two trainer nodes, one each (they meet on rank 0's node address, 127.0.0.1 here), both Generate replicas (which
+score, log and split their blocks) and the actor that owns their per-token tables on the rollout node, the version
+clock, the staleness gate and the driver's TokenTables on the head. The job succeeds, the run passes its audit, no
+server of the cluster listens beyond loopback while it runs, and nothing of the cluster is left once it is stopped.
 
-This test talks to the cluster through its job server and state API only: this pytest process may hold the local Ray
-of the other pipeline tests, and a process joins one cluster. The cluster is stopped by its nodes' PIDs
+This test talks to the cluster through its job server and state API only: this pytest process may hold the local Ray of
+the other pipeline tests, and a process joins one cluster. The cluster is stopped by its nodes' PIDs
 (local_cluster.down), never by `ray stop`, which would end every Ray on the machine.
 """
 
@@ -27,8 +28,8 @@ import psutil
 import pytest
 
 from infra import local_cluster as lc
+from tests.pipeline.modes import SMALL, check_mode
 from tests.pipeline.test_loopback import is_loopback
-from tests.pipeline.test_modes import SMALL
 from tests.waiting import wait_until
 
 HEAD_CPUS = 2  # the gate, the prompt reader
@@ -102,6 +103,7 @@ def run_job(
         "actor.fsdp_config.fsdp_size=-1",  # verl's: every trainer rank
         "ray.placement=required",
         "ray.no_progress_timeout_s=600",
+        "async_training.trigger_parameter_sync_step=2",  # verl's stream off-policy mode, a sync every 2 steps
         "trainer.monitor=jsonl",
         f"trainer.output_dir={output_dir}",
         "trainer.run_name=placed",
@@ -110,7 +112,7 @@ def run_job(
     runtime_env = lc.job_runtime_env()
     runtime_env["env_vars"] = {"HF_HUB_OFFLINE": "1"}  # also set by the driver: the job's value must win quietly
     job_id = client.submit_job(
-        entrypoint=" ".join(["asyncrl run conf/default.yaml", *overrides]), runtime_env=runtime_env
+        entrypoint=" ".join(["asyncrl run conf/stream_off_policy.yaml", *overrides]), runtime_env=runtime_env
     )
     exposed: set = set()
 
@@ -176,4 +178,4 @@ def test_a_job_on_a_multi_node_cluster_places_its_actors_and_passes_its_audit(tm
 
     summary = json.loads((tmp_path / "placed" / "summary.json").read_text())
     assert summary["audit_ok"]
-    assert summary["steps"] == 4
+    check_mode(summary, tmp_path / "placed", s=0.0, k=2, prompts=16, per_step=4, n=4)

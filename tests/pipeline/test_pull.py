@@ -14,8 +14,16 @@ import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import pytest
 
-from tests.pipeline.test_validation import SHORT
-
+SHORT = [
+    "rollout.total_rollout_steps=128",  # 16 steps of 8 prompts
+    "model.warm_start_steps=100",
+    "data.val_files=embedded",
+    "data.num_embedded_val_prompts=16",
+    "rollout.test_freq=8",
+    "trainer.val_before_train=true",
+    "rollout.val_kwargs.n=2",
+    "trainer.monitor=jsonl",
+]
 SIM_CONFIG = str(Path(__file__).resolve().parents[2] / "conf" / "sim" / "toy.yaml")
 
 

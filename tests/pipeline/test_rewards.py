@@ -1,6 +1,12 @@
 """Reward sources beyond a rule, in the real stream: a discriminative reward model trained here scores in its own
 actor stage and the policy learns against it; a real HTTP reward service on loopback, started by the test, answers
 with 500s, timeouts and slow answers, and every sample is scored or accounted for, retries counted, the audit passing.
+
+The reward model's run is the default job (staleness 0.5, no partial rollout): it also carries the checks of verl's
+async mode with stale samples (tests/pipeline/modes.py) and serial validation (verl's
+parallel_validate_and_rollout=false: no training request starts on a replica while it validates). Validation
+interleaved with the stream is checked in test_learning.py's run, on a dedicated engine beside a pulling stream in
+test_pull.py's.
 """
 
 import json
@@ -9,12 +15,15 @@ import zlib
 from pathlib import Path
 
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import pytest
 
+from pipeline.config import CONF_DIR
 from pipeline.tasks.embedded import build_embedded
 from pipeline.tasks.embedded_rm import build_reward_model
 from pipeline.tasks.warmstart import cached_warm_start
 from stages.verifiers import score_reverse
+from tests.pipeline.modes import check_mode
 from tests.reward_server import Answer, RewardServer
 
 RM_STEPS = 800  # the reward model's training steps (pipeline/tasks/embedded_rm.py: 0.87 held-out pair agreement)
@@ -59,9 +68,12 @@ def test_the_policy_learns_against_a_reward_model_in_the_stream(run_job, reward_
         f"reward.reward_model.model_path={reward_model}",
         "reward.reward_model.micro_batch_size_per_gpu=16",
         "trainer.monitor=jsonl",
+        *SERIAL_VALIDATION,
         name="reward-model",
     )
     assert summary["audit_ok"] and summary["steps"] == 100
+    check_mode(summary, run_dir, s=0.5, k=1, prompts=800, per_step=8, n=8)
+    assert_serial_validation(run_dir, (0, 50, 100))
     rows = samples(run_dir, ["sample_id", "response_text", "ground_truth", "reward", "reward_sources", "reward_status"])
     # the reward model scored every sample, and its score is the reward (verl: a reward model replaces the rule)
     for row in rows:
@@ -88,6 +100,33 @@ def test_the_policy_learns_against_a_reward_model_in_the_stream(run_job, reward_
     assert last > first + 0.15, f"rule score {first:.3f} -> {last:.3f}, curve {[round(c, 2) for c in curve[::10]]}"
 
 
+# 16 held-out prompts, 2 samples each, before the first step and every 50 versions; the replica validates alone.
+SERIAL_VALIDATION = [
+    "data.val_files=embedded",
+    "data.num_embedded_val_prompts=16",
+    "rollout.test_freq=50",
+    "trainer.val_before_train=true",
+    "rollout.val_kwargs.n=2",
+    "async_training.parallel_validate_and_rollout=false",
+]
+
+
+def assert_serial_validation(run_dir: Path, versions: tuple[int, int, int]) -> None:
+    """No training request started while a validation pass ran, and the stream generated on both sides of the
+    middle pass."""
+    training = pq.read_table(run_dir / "samples", columns=["generated_time", "gen_latency_s"]).to_pylist()
+    starts = [r["generated_time"] - r["gen_latency_s"] for r in training]
+    windows = {}
+    for version in versions:
+        table = pq.read_table(run_dir / "validation" / f"version-{version:06d}.parquet").to_pylist()
+        windows[version] = min(r["started_time"] for r in table), max(r["generated_time"] for r in table)
+        begin, end = windows[version]
+        inside = [s for s in starts if begin + 0.05 < s < end - 0.05]
+        assert not inside, (version, begin, end, inside[:3])
+    begin, end = windows[versions[1]]
+    assert min(starts) < begin and max(starts) > end
+
+
 def faults(payload: dict, nth: int) -> Answer:
     """The service scores with the task's rule; a sample's id decides its fault: a 500 on its first request, a first
     request that outlives the client's timeout, slow answers within it, or 503 on every request."""
@@ -106,17 +145,22 @@ def faults(payload: dict, nth: int) -> Answer:
 
 @pytest.mark.slow
 def test_a_remote_service_with_faults_scores_every_sample_or_accounts_for_it(run_job):
+    """In verl's async mode with partial rollout, `keep` pause mode: the mode's checks (tests/pipeline/modes.py) run on
+    the same logs."""
     with RewardServer(faults) as server:
         summary, run_dir = run_job(
             "rollout.total_rollout_steps=64",  # 8 steps of 8 prompts
+            "async_training.partial_rollout_mode=keep",
             f"reward.remote.url={server.url}",
             "reward.remote.timeout_s=1.0",
             "reward.remote.max_retries=2",
             "reward.remote.backoff_s=0.05",
             "trainer.monitor=jsonl",
+            config=str(CONF_DIR / "async_partial.yaml"),
             name="remote",
         )
     assert summary["audit_ok"] and summary["steps"] == 8
+    check_mode(summary, run_dir, s=0.5, k=1, prompts=64, per_step=8, n=8)
     audit = (run_dir / "audit.txt").read_text()
     assert "every failed reward accounted for" in audit
     rows = samples(run_dir, ["sample_id", "reward", "reward_error", "reward_sources", "reward_status", "response_mask"])

