@@ -27,8 +27,8 @@ from stages.generate import VLLMGenerate  # noqa: E402
 from stages.staleness import StalenessBudget  # noqa: E402
 from stages.trainer.megatron_backend import MegatronTrainer  # noqa: E402
 from stages.trainer.settings import PolicySettings  # noqa: E402
+from tests.pipeline.engine_checks import prompts  # noqa: E402
 from tests.pipeline.test_megatron import MAX_TOKENS, SHORT_RUN, TEXTS, _hf_greedy  # noqa: E402
-from tests.pipeline.test_weight_sync import prompts  # noqa: E402
 
 # The one-GPU layout of conf/gpu/colocated_1gpu.yaml on the embedded task: half the GPU each, weights by CUDA IPC.
 ONE_GPU = [

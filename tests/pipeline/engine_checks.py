@@ -1,8 +1,8 @@
-"""Weights really reach the engine: after a push, vLLM's logprobs equal the trainer's, token for token.
+"""What the tests that drive a vLLM replica directly share: their prompt tables, waiting for an engine to decode, and
+the check that weights really reach the engine (after a push, vLLM's logprobs equal the trainer's, token for token).
 
-Real components only: a VersionClock, a TorchTrainer and a VLLMGenerate replica as Ray actors, the private gloo
-group and vLLM's layerwise reload. Tolerance: 1e-4 absolute on float32 logprobs (vLLM's CPU kernels and HF's eager
-attention differ in summation order; measured differences are around 1e-6).
+Tolerance: 1e-4 absolute on float32 logprobs (vLLM's CPU kernels and HF's eager attention differ in summation order;
+measured differences are around 1e-6).
 """
 
 import math
@@ -10,15 +10,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
-import pytest
 
-from pipeline import sync
-from pipeline.clock import VersionClock
-from pipeline.tasks.embedded import build_embedded
-from stages.generate import VLLMGenerate
-from stages.staleness import StalenessBudget
-from stages.trainer.settings import PolicySettings
-from stages.trainer.torch_backend import TorchTrainer
 from tests.waiting import wait_until
 
 TOL = 1e-4
@@ -61,25 +53,9 @@ def wait_until_decoding(ray, engine, pending) -> None:
     )
 
 
-@pytest.mark.slow
-def test_pushed_weights_reach_the_engine(ray_session, tmp_path):
-    ray = ray_session
-    from transformers import AutoTokenizer
-
-    task = build_embedded(tmp_path, 20, seed=1)
-    tokenizer = AutoTokenizer.from_pretrained(task.model_dir)
-    clock = (
-        ray.remote(VersionClock)
-        .options(name="clock-ws", namespace="ws", num_cpus=0, max_concurrency=100)
-        .remote(StalenessBudget(0.0, 1, 1, 2), 1)
-    )
-    trainer = ray.remote(TorchTrainer).options(num_cpus=1).remote(str(task.model_dir), PolicySettings(lr=5e-2))
-    engine = (
-        ray.remote(VLLMGenerate)
-        .options(num_cpus=1)
-        .remote(str(task.model_dir), "clock-ws", "ws", n=2, max_tokens=12, temperature=1.0)
-    )
-    batch = prompts(tokenizer, ["reverse: a b c =", "reverse: d e =", "reverse: f g h i ="])
+def check_pushes_reach_the_engine(ray, engine, trainer, pusher, batch: pa.Table, vocab: int, version: int) -> None:
+    """`engine` holds `trainer`'s weights, pushed as `version`: its logprobs equal the trainer's; after one real update
+    pushed as the next version, again (and no longer the old ones); after a push of a zeroed head, uniform."""
 
     def generate() -> pa.Table:
         return ray.get(engine.__call__.remote(batch))
@@ -90,27 +66,24 @@ def test_pushed_weights_reach_the_engine(ray_session, tmp_path):
         return max(abs(a - b) for e, r in zip(engine_lp, recomputed, strict=True) for a, b in zip(e, r, strict=True))
 
     before = generate()
-    assert gap(before) < TOL  # same initial weights on both sides
+    assert gap(before) < TOL  # the same weights on both sides
 
-    # Change the trainer's weights with one real update, then push them as version 1.
+    # Change the trainer's weights with one real update, then push them.
     rng = np.random.default_rng(0)
     mb = {**before.to_pydict(), "advantage": rng.choice([-1.0, 1.0], before.num_rows).tolist()}
     ray.get(trainer.train_step.remote([mb]))
-    pusher = sync.Push(trainer, clock, 1, tmp_path)
-    pusher.connect()
-    stats = pusher.sync(1)
+    stats = pusher.sync(version + 1)
     assert stats["sync/bytes"] > 0
     assert gap(before) > 10 * TOL  # the trainer moved: the old engine logprobs no longer match
 
     after = generate()
-    assert {v for vs in after["token_param_version"].to_pylist() for v in vs} == {1}
+    assert {v for vs in after["token_param_version"].to_pylist() for v in vs} == {version + 1}
     assert gap(after) < TOL  # the engine now computes with exactly the trainer's weights
 
     # A deliberately destroyed head: uniform next-token distribution in the engine after the push.
     ray.get(trainer.set_weight.remote("lm_head.weight", 0.0))
-    pusher.sync(2)
+    pusher.sync(version + 2)
     zeroed = generate()
     flat = [lp for lps in zeroed["response_logprobs"].to_pylist() for lp in lps]
-    assert max(abs(lp + math.log(len(tokenizer))) for lp in flat) < TOL
-    assert {v for vs in zeroed["token_param_version"].to_pylist() for v in vs} == {2}
-    ray.kill(engine)
+    assert max(abs(lp + math.log(vocab)) for lp in flat) < TOL
+    assert {v for vs in zeroed["token_param_version"].to_pylist() for v in vs} == {version + 2}
