@@ -29,15 +29,19 @@ $(VENV)/.installed: pyproject.toml
 run: install
 	$(VENV)/bin/asyncrl run $(ARGS)
 
-# The whole suite: unit and CLI tests first, then the multi-process and stream tests (tests/conftest.py orders them and
-# sets each folder's timeout). pytest's cache is on: `make test ARGS=--lf` reruns what failed last time.
+# The whole suite: the unit and CLI tests first, one per core (pytest-xdist: each is one process's work, mostly
+# imports), then the multi-process and stream tests one at a time (they use every core; tests/conftest.py orders the
+# folders and sets each one's timeout). pytest's cache is on: `make test ARGS=--lf` reruns what failed last time.
+# Exit status 5 is "nothing selected", e.g. an ARGS that picks tests of the other half only.
+FAST := tests/unit tests/cli
 test: install
-	$(PY) -m pytest -q --durations=15 $(ARGS) tests
+	$(PY) -m pytest -q -n auto --dist loadgroup --durations=5 $(ARGS) $(FAST) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q --durations=15 $(ARGS) tests/distributed tests/pipeline tests/gpu || [ $$? -eq 5 ]
 
-# The unit and CLI tests: no Ray session of the suite's, no engine; a few minutes on 2 cores. The extras' resolution
+# The unit and CLI tests: no Ray session of the suite's, no engine; about 2 minutes on 2 cores. The extras' resolution
 # (marked `network`: pip downloads torch's and vLLM's wheels, up to 10 minutes an extra) is left out.
 test-fast: install
-	$(PY) -m pytest -q -m "not network" $(ARGS) tests/unit tests/cli
+	$(PY) -m pytest -q -n auto -m "not network" $(ARGS) $(FAST)
 
 # The benchmarks of docs/benchmarks.md, one after the other (about 50 minutes on 2 cores); each prints its table last.
 bench: install

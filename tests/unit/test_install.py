@@ -61,6 +61,7 @@ def resolutions(tmp_path_factory):
 
 
 @pytest.mark.network
+@pytest.mark.xdist_group("install")  # both on one worker, which starts both resolutions at once
 @pytest.mark.timeout(1900)  # past the download's own 1800 s; the unit folder's 300 s would end it
 @pytest.mark.parametrize("extra", list(EXTRAS))
 def test_each_extra_resolves_to_its_engine_and_torch(extra, resolutions):
