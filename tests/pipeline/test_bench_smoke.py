@@ -3,8 +3,8 @@ bench/smoke.py), so that one that breaks shows here rather than the next time so
 print its table, and return (or print) results of the shape its table needs; the figures themselves mean nothing.
 
 The benchmarks that run their jobs through pipeline.run share this session's Ray; those that start and stop a Ray
-of their own (or a vLLM engine in their own process) run as the command the docs give. bench.routes' smoke runs its
-rounds and table on the engine of test_moe_routes.py, which starts the same MoE engine with route capture.
+of their own run as the command the docs give, all at once. bench.routes' smoke runs its rounds and table on the
+engine of test_moe_routes.py, which starts the same MoE engine with route capture.
 """
 
 from __future__ import annotations
@@ -18,17 +18,35 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bench(module: str, *args: str, timeout_s: float = 600) -> str:
-    """`python -m bench.<module> --smoke ARGS` in a process of its own; its stdout."""
-    done = subprocess.run(
-        [sys.executable, "-m", f"bench.{module}", "--smoke", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done.stdout
+# The benchmarks that run as commands of their own, started together by the first test that needs one: each is mostly
+# one process's imports and start-up, so side by side they take about the time of the longest.
+COMMANDS = ("handoff", "prompts_1m", "weight_sync", "data_parallel")
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """`python -m bench.<module> --smoke` for every module of COMMANDS, all started now; each one's process and the
+    files its stdout and stderr go to (a full pipe would block it)."""
+    out = tmp_path_factory.mktemp("bench-smoke")
+    started = {}
+    for module in COMMANDS:
+        stdout, stderr = out / f"{module}.out", out / f"{module}.err"
+        with open(stdout, "w") as o, open(stderr, "w") as e:
+            proc = subprocess.Popen([sys.executable, "-m", f"bench.{module}", "--smoke"], cwd=ROOT, stdout=o, stderr=e)
+        started[module] = (proc, stdout, stderr)
+    yield started
+    for proc, _, _ in started.values():  # a test that failed early leaves nothing running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def bench(commands: dict, module: str, timeout_s: float = 600) -> str:
+    """The stdout of `module`'s smoke command, once it has ended well."""
+    proc, stdout, stderr = commands[module]
+    code = proc.wait(timeout_s)
+    assert code == 0, stdout.read_text()[-3000:] + stderr.read_text()[-5000:]
+    return stdout.read_text()
 
 
 @pytest.mark.slow
@@ -119,24 +137,24 @@ def test_timeline_of_a_finished_run(partial_run, capsys):
 
 
 @pytest.mark.slow
-def test_handoff():
-    out = bench("handoff")
+def test_handoff(commands):
+    out = bench(commands, "handoff")
     assert "hand-off (light columns only)" in out and "driver bytes, hand-off / whole" in out
 
 
 @pytest.mark.slow
-def test_prompts_1m():
-    out = bench("prompts_1m")
+def test_prompts_1m(commands):
+    out = bench(commands, "prompts_1m")
     assert "2,000 rows" in out and "are the layout's" in out
 
 
 @pytest.mark.slow
-def test_weight_sync():
-    out = bench("weight_sync")
+def test_weight_sync(commands):
+    out = bench(commands, "weight_sync")
     assert "push GB/s" in out and "packed is" in out
 
 
 @pytest.mark.slow
-def test_data_parallel():
-    out = bench("data_parallel")
+def test_data_parallel(commands):
+    out = bench(commands, "data_parallel")
     assert all(layout in out for layout in ("torch DP2", "megatron DP2xTP1", "megatron DP1xTP2"))
