@@ -90,12 +90,15 @@ def collate(batch: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return ids, attention, targets, scored
 
 
-def build_reward_model(out_dir: Path, policy_dir: Path, steps: int = 800, seed: int = 0, lr: float = 1e-3) -> dict:
+def build_reward_model(
+    out_dir: Path, policy_dir: Path, steps: int = 800, seed: int = 0, lr: float = 1e-3, threads: int = THREADS
+) -> dict:
     """Train the reward model from `policy_dir`'s backbone and tokenizer, save it (with its tokenizer) to out_dir;
-    returns the held-out fit (held_out_fit) and the time it took."""
+    returns the held-out fit (held_out_fit) and the time it took. `threads`: torch's, more where the fit has the
+    machine to itself."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     torch.manual_seed(seed)
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
