@@ -7,12 +7,13 @@ once its scorer (the built-in verifier of its data source, or the custom reward 
   response of L tokens gets `min(0, -(L - (max_resp_len - len)) / len * penalty_factor)` added, so the last `len`
   tokens before `max_resp_len` cost linearly more; with `overlong_buffer_cfg.log` reward_extra_info also holds
   `overlong_reward` and `overlong` (whether it paid).
+- `gdpo`: naive, keeping a dict result's `score` in reward_extra_info too (the components the gdpo advantage
+  estimator normalises apart are the dict's numbers, `algorithm.gdpo_reward_keys`).
 - `prime` and `remote`: verl's other managers of rule rewards. Both score each sample as naive does (prime in a pool
   of processes with a timeout, remote in Ray workers), which is how the Reward stage scores under every manager:
   worker processes, a timeout per sample. prime zeroes a whole batch on a global timeout; here only the sample.
-verl's `batch` (one call of the function on lists), `rate_limited` (a throttle for remote scoring APIs) and `gdpo`
-(several rewards for its gdpo estimator) change how the user's function is called, not what a rule reward is; they
-are refused with that reason (`REFUSED`).
+verl's `batch` (one call of the function on lists) and `rate_limited` (a throttle for remote scoring APIs) change how
+the user's function is called, not what a rule reward is; they are refused with that reason (`REFUSED`).
 
 A sample whose scoring failed keeps reward 0 and its reward_error, unshaped. Pure Python: the Reward stage runs it.
 """
@@ -23,13 +24,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-MANAGERS = ("naive", "dapo", "prime", "remote")
+MANAGERS = ("naive", "dapo", "gdpo", "prime", "remote")
 REFUSED = {
     "batch": "it calls the reward function once with lists of samples; asyncrl scores each sample in a worker "
     "process with its own timeout (use naive, and a function of one sample)",
     "rate_limited": "it throttles calls to a remote scoring API (requests and tokens per minute); asyncrl has no "
     "such throttle (use naive: stages.reward.num_workers bounds the concurrent calls)",
-    "gdpo": "it feeds several rewards per sample to verl's gdpo advantage estimator, which asyncrl does not have",
 }
 
 
@@ -68,6 +68,8 @@ class RewardManager:
         if error is not None:
             return score, error, extra
         info: dict[str, Any] = json.loads(extra) if extra is not None else {"acc": score}
+        if self.name == "gdpo" and extra is not None:
+            info = {"score": score, **info}
         if self.shapes_length:
             expected = self.max_resp_len - self.overlong.len
             penalty = min(-(num_tokens - expected) / self.overlong.len * self.overlong.penalty_factor, 0.0)

@@ -81,7 +81,6 @@ REFUSED_ESTIMATORS = {
     "remax": "a greedy baseline rollout of every prompt beside its sampled responses",
     "optimal_token_baseline": "the trainer's sum of squared token probabilities at every response token",
     "tir_optimal_token_baseline": "the trainer's sum of squared token probabilities at every response token",
-    "gdpo": "several reward components per sample (algorithm.gdpo_reward_keys), normalised apart",
 }
 # verl's KL estimators (stages/trainer/kl.py's KL_TYPES_ALL; written out so that loading a config imports no torch).
 KLType = Literal[
@@ -132,12 +131,17 @@ class AlgorithmConfig:
 
     adv_estimator: AdvEstimator = "grpo"
     """Advantage estimator (stages/advantage): 'grpo', 'rloo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline',
-    'grpo_vectorized', 'rloo_vectorized', 'grpo_passk', 'opo' or 'gpg'; verl's gae, remax, the optimal-token-baseline
-    pair and gdpo are refused naming what they need. An explicit `stages.advantage._target_` wins over it."""
+    'grpo_vectorized', 'rloo_vectorized', 'grpo_passk', 'opo', 'gpg' or 'gdpo'; verl's gae, remax and the
+    optimal-token-baseline pair are refused naming what they need. An explicit `stages.advantage._target_` wins."""
     norm_adv_by_std_in_grpo: bool = True
     """grpo: divide by the group's std (false: Dr.GRPO, s - mean only)."""
     gamma: float = 1.0
     """Discount of reinforce_plus_plus's token returns."""
+    gdpo_reward_keys: list[str] | None = None
+    """gdpo: the reward components, keys of the dict the reward function returns (e.g. ['format_reward',
+    'accuracy_reward']), each normalised within its group apart; none: the reward is the one component."""
+    gdpo_reward_weights: list[float] | None = None
+    """gdpo: one weight per key of gdpo_reward_keys in the sum of the normalised components (none: 1 each)."""
     lam: float = 1.0
     """GAE's lambda; accepted for verl configs, unused by these estimators."""
     use_kl_in_reward: bool = False
@@ -155,7 +159,14 @@ class AlgorithmConfig:
         if self.adv_estimator in REFUSED_ESTIMATORS:
             raise ValueError(
                 f"algorithm.adv_estimator={self.adv_estimator} needs {REFUSED_ESTIMATORS[self.adv_estimator]}, "
-                "which asyncrl does not have: use grpo, rloo, reinforce_plus_plus(_baseline), grpo_passk, opo or gpg"
+                "which asyncrl does not have: use grpo, rloo, reinforce_plus_plus(_baseline), grpo_passk, opo, gpg or "
+                "gdpo"
+            )
+        keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
+        if weights is not None and len(weights) != len(keys or []):
+            raise ValueError(
+                f"algorithm.gdpo_reward_weights has {len(weights)} weights for the {len(keys or [])} "
+                "algorithm.gdpo_reward_keys: give one weight per key, or none (equal weights)"
             )
         fg = self.filter_groups
         if fg.enable and not fg.metric:

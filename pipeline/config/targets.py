@@ -79,8 +79,8 @@ def check_signature(cls: type, kwargs: dict[str, Any], key: str, provided: set[s
 def advantage_wiring(cfg, cls: type) -> dict[str, Any]:
     """What the stream gives an advantage stage of class `cls` from the top-level config (a RunConfig, or a run's
     config.yaml as read back by the audit): the group size to every estimator, the KL settings when the reward pays a
-    KL, GRPO its std switch, REINFORCE++ its discount."""
-    from stages.advantage import GRPOAdvantage, ReinforcePlusPlusAdvantage  # here: loading a config imports no stage
+    KL, GRPO its std switch, GDPO its reward keys and weights, REINFORCE++ its discount."""
+    from stages.advantage import GDPOAdvantage, GRPOAdvantage, ReinforcePlusPlusAdvantage  # loading a config: no stage
 
     alg = cfg.algorithm
     wiring: dict[str, Any] = {"group_size": cfg.rollout.n}
@@ -88,6 +88,8 @@ def advantage_wiring(cfg, cls: type) -> dict[str, Any]:
         wiring |= {"kl_in_reward": True, "kl_coef": alg.kl_ctrl.kl_coef, "kl_penalty": alg.kl_penalty}
     if issubclass(cls, GRPOAdvantage):
         wiring["norm_by_std"] = alg.norm_adv_by_std_in_grpo
+    if issubclass(cls, GDPOAdvantage):
+        wiring |= {"reward_keys": alg.gdpo_reward_keys, "reward_weights": alg.gdpo_reward_weights}
     if issubclass(cls, ReinforcePlusPlusAdvantage):
         wiring["gamma"] = alg.gamma
     return wiring

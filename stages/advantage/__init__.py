@@ -12,10 +12,10 @@ share: the token-level rewards, the KL in the reward, the groups, the output col
 | grpo_passk                    | GRPOPassKAdvantage                  | group (its best response)               |
 | opo                           | OPOAdvantage                        | group (length-weighted baseline)        |
 | gpg                           | GPGAdvantage                        | group, scaled over the step             |
+| gdpo                          | GDPOAdvantage                       | group per reward key, whitened over step |
 
 verl's other estimators need what the stream does not have (REFUSED_ESTIMATORS says what): a critic (gae), a greedy
-baseline rollout (remax), the trainer's sum of squared token probabilities (the optimal-token-baseline pair), several
-reward components per sample (gdpo).
+baseline rollout (remax), the trainer's sum of squared token probabilities (the optimal-token-baseline pair).
 
 The wiring picks the class from ESTIMATORS unless the config names one with `stages.advantage._target_` (a user's
 own estimator wins over `algorithm.adv_estimator`). A class with `whiten_over_step = True` has the training sink
@@ -26,6 +26,7 @@ the sink apply that instead.
 from __future__ import annotations
 
 from stages.advantage.base import AdvantageStage, OutcomeAdvantage
+from stages.advantage.gdpo import GDPOAdvantage
 from stages.advantage.gpg import GPGAdvantage
 from stages.advantage.grpo import GRPOAdvantage
 from stages.advantage.grpo_passk import GRPOPassKAdvantage
@@ -46,11 +47,13 @@ ESTIMATORS = {
     "grpo_passk": "stages.advantage.GRPOPassKAdvantage",
     "opo": "stages.advantage.OPOAdvantage",
     "gpg": "stages.advantage.GPGAdvantage",
+    "gdpo": "stages.advantage.GDPOAdvantage",
 }
 
 __all__ = [
     "ESTIMATORS",
     "AdvantageStage",
+    "GDPOAdvantage",
     "GPGAdvantage",
     "GRPOAdvantage",
     "GRPOPassKAdvantage",

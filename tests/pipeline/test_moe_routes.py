@@ -164,12 +164,20 @@ def test_routes_survive_partial_rollout_and_match_transformers(ray_session, tmp_
 
 @pytest.mark.slow
 def test_moe_preset_learns_through_the_stream_with_routing_replay(run_job):
-    """conf/moe.yaml, shortened: the engine captures every token's routes, the trainer replays them, the reward
-    rises, and the audit (with its route check) passes. In fp32 on CPU the trainer's own routes agree with the
-    engine's almost everywhere, so the replay proves the plumbing here, not a stability gain."""
+    """conf/moe.yaml, shortened, with GSPO's sequence-level objective (actor.policy_loss.loss_mode=gspo and its own
+    aggregation, seq-mean-token-mean: the loss GSPO was made for, MoE training): the engine captures every token's
+    routes, the trainer replays them, the reward rises, and the audit (with its route check) passes. In fp32 on CPU
+    the trainer's own routes agree with the engine's almost everywhere, so the replay proves the plumbing here, not a
+    stability gain."""
     import json
 
-    summary, run_dir = run_job("rollout.total_rollout_steps=256", "trainer.monitor=jsonl", config="conf/moe.yaml")
+    summary, run_dir = run_job(
+        "rollout.total_rollout_steps=256",
+        "actor.policy_loss.loss_mode=gspo",
+        "actor.loss_agg_mode=seq-mean-token-mean",
+        "trainer.monitor=jsonl",
+        config="conf/moe.yaml",
+    )
     assert summary["audit_ok"] and summary["steps"] == 32
     assert "routes: one row per context token" in (run_dir / "audit.txt").read_text()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

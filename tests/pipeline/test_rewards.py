@@ -2,8 +2,8 @@
 actor stage and the policy learns against it; a real HTTP reward service on loopback, started by the test, answers
 with 500s, timeouts and slow answers, and every sample is scored or accounted for, retries counted, the audit passing.
 
-The reward model's run is the default job (staleness 0.5, no partial rollout): it also carries the checks of verl's
-async mode with stale samples (tests/pipeline/modes.py) and serial validation (verl's
+The reward model's run is the default job (staleness 0.5, no partial rollout) with CISPO's policy loss: it also
+carries the checks of verl's async mode with stale samples (tests/pipeline/modes.py) and serial validation (verl's
 parallel_validate_and_rollout=false: no training request starts on a replica while it validates). Validation
 interleaved with the stream is checked in test_learning.py's run, on a dedicated engine beside a pulling stream in
 test_pull.py's.
@@ -67,6 +67,7 @@ def test_the_policy_learns_against_a_reward_model_in_the_stream(run_job, reward_
         "reward.reward_model.enable=true",
         f"reward.reward_model.model_path={reward_model}",
         "reward.reward_model.micro_batch_size_per_gpu=16",
+        "actor.policy_loss.loss_mode=cispo",  # CISPO's clipped, stop-gradient IS weight: it learns too
         "trainer.monitor=jsonl",
         *SERIAL_VALIDATION,
         name="reward-model",

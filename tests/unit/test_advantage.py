@@ -1,6 +1,7 @@
 """Advantage estimators and the KL in the reward on hand-built blocks, against values worked out by hand from
 verl's definitions (core_algos.py; SPEC §3 "KL in the reward", §4)."""
 
+import json
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from schemas import MissingColumnsError
 from stages.advantage import (
+    GDPOAdvantage,
     GRPOAdvantage,
     ReinforcePlusPlusAdvantage,
     ReinforcePlusPlusBaselineAdvantage,
@@ -205,3 +207,35 @@ def test_gpg_centres_each_group_and_scales_over_the_step():
     scaled = GPGAdvantage.over_step(step)  # alpha = 4 rows / 1 nonzero reward
     assert adv(scaled) == pytest.approx([2.0, -2.0, 0.0, 0.0])
     assert scaled["token_advantages"].to_pylist()[0] == pytest.approx([2.0, 2.0])
+
+
+def gdpo_block(prompt_ids, rewards, extras, masks) -> pa.Table:
+    table = block(prompt_ids, rewards, masks)
+    return table.append_column("reward_extra_info", pa.array([json.dumps(e) for e in extras], pa.string()))
+
+
+def test_gdpo_normalises_each_component_in_its_group_then_weights_them():
+    # verl's compute_gdpo_outcome_advantage before its batch whitening. Group a: fmt [1, 0, 1] and acc [1, 1, 0] each
+    # have mean 2/3 and unbiased std sqrt(1/3): fmt -> [0.57735, -1.154701, 0.57735], acc -> [0.57735, 0.57735,
+    # -1.154701]; with weights 1 and 0.5: [0.866025, -0.866025, 0]. Group b: fmt all 1 -> 0 (std 0, epsilon);
+    # acc [0, 1, 0] -> 0.5 x [-0.57735, 1.154701, -0.57735].
+    extras = [{"fmt": 1, "acc": 1}, {"fmt": 0, "acc": 1}, {"fmt": 1, "acc": 0}]
+    extras += [{"fmt": 1, "acc": 0}, {"fmt": 1, "acc": 1}, {"fmt": 1, "acc": 0}]
+    stage = GDPOAdvantage(group_size=3, reward_keys=["fmt", "acc"], reward_weights=[1.0, 0.5])
+    assert stage.whiten_over_step  # the sink whitens the step's tokens, as verl's masked_whiten does the batch
+    table = gdpo_block(["a"] * 3 + ["b"] * 3, [9.0] * 6, extras, [[1, 1]] * 6)  # the reward itself is not used
+    expected = [0.866025, -0.866025, 0.0, -0.288675, 0.57735, -0.288675]
+    assert adv(stage(table)) == pytest.approx(expected, abs=1e-5)
+    # summed first (GRPO on fmt + 0.5 acc), group a would be [1.0, -0.5, 0.5] / std: not the same advantages
+    summed = GRPOAdvantage(group_size=3)(block(["a"] * 3, [1.5, 0.5, 1.0], [[1, 1]] * 3))
+    assert adv(summed) != pytest.approx(expected[:3], abs=1e-3)
+
+
+def test_gdpo_without_keys_is_grpo_on_the_reward_and_names_a_missing_key():
+    table = gdpo_block(["a"] * 3, [1.0, 0.0, 1.0], [{"acc": 1}, {"acc": 0}, {}], [[1]] * 3)
+    plain = GRPOAdvantage(group_size=3)(block(["a"] * 3, [1.0, 0.0, 1.0], [[1]] * 3))
+    assert adv(GDPOAdvantage(group_size=3)(table)) == pytest.approx(adv(plain))
+    with pytest.raises(ValueError, match=r"gdpo_reward_keys names 'acc'.*has no extra info"):
+        GDPOAdvantage(group_size=3, reward_keys=["acc"])(table)
+    with pytest.raises(ValueError, match="2 weights for 1 gdpo_reward_keys"):
+        GDPOAdvantage(group_size=3, reward_keys=["acc"], reward_weights=[1.0, 2.0])

@@ -174,7 +174,6 @@ def test_reward_kl_metrics_only_with_the_column():
         ("remax", "a greedy baseline rollout"),
         ("optimal_token_baseline", "the trainer's sum of squared token probabilities"),
         ("tir_optimal_token_baseline", "the trainer's sum of squared token probabilities"),
-        ("gdpo", "several reward components"),
     ],
 )
 def test_an_estimator_that_needs_what_the_stream_lacks_names_it(name, needs):

@@ -81,8 +81,7 @@ def test_the_dapo_recipe_keys_load_as_verl_writes_them():
     [
         (["reward.reward_manager.name=batch"], "calls the reward function once with lists"),
         (["reward.reward_manager.name=rate_limited"], "throttles calls to a remote scoring API"),
-        (["reward.reward_manager.name=gdpo"], "gdpo advantage estimator"),
-        (["reward.reward_manager.name=naiv"], "expected one of naive, dapo, prime, remote"),
+        (["reward.reward_manager.name=naiv"], "expected one of naive, dapo, gdpo, prime, remote"),
         (["reward.reward_manager.module.path=my.py"], "reward manager class of your own"),
         (
             ["reward.reward_manager.name=dapo", "+reward.reward_kwargs.overlong_buffer_cfg.enable=true"],
@@ -99,3 +98,9 @@ def test_bad_manager_settings_are_named(overrides, message):
 def test_prime_and_remote_score_as_naive():
     for name in ("prime", "remote"):
         assert _score(RewardManager(name), [3]) == ([1.0], [{"acc": 1.0}])
+
+
+def test_gdpo_keeps_a_dict_results_score_beside_its_components():
+    manager = RewardManager("gdpo")
+    assert manager.shape(0.5, None, json.dumps({"fmt": 1.0}), 3) == (0.5, None, json.dumps({"score": 0.5, "fmt": 1.0}))
+    assert manager.shape(0.5, None, None, 3) == (0.5, None, json.dumps({"acc": 0.5}))  # a number: as naive
