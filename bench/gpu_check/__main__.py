@@ -1,12 +1,14 @@
 """Run the GPU check's pieces, each in a process of its own, and write their table.
 
     python -m bench.gpu_check                      # on a GPU: every piece, about 3 minutes on an H100
-    python -m bench.gpu_check --device cpu --size tiny   # the CPU rehearsal (the test suite runs it)
+    python -m bench.gpu_check --device cpu --size tiny --jobs 2  # the CPU rehearsal (the test suite runs it)
     python -m bench.gpu_check --only transport,megatron  # some pieces
 
 Writes OUT/results.json (every record) and OUT/table.md, prints the table, and exits 1 if any check failed or any
 piece did not finish (its log, OUT/logs/<job>.log, says why; its tail is printed too). A piece is killed after
---timeout seconds, so the whole check fits the device's ten-minute commands piece by piece (`--only`).
+--timeout seconds, so the whole check fits the device's ten-minute commands piece by piece (`--only`). `--jobs N` runs
+N processes at a time (the CPU rehearsal, where each is mostly one process's imports; on one GPU keep 1, the default,
+so that each piece's time and peak memory are its own); a piece that reads another's rows runs after it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +82,27 @@ def run_job(job: Job, out: Path, timeout_s: float) -> list[Record]:
     return [failed]
 
 
+def lanes(plan: list[Job]) -> list[list[Job]]:
+    """The plan cut into lanes that may run side by side: the megatron jobs in one (the later ones read the CPU
+    step's rows), every other job alone."""
+    megatron = [job for job in plan if job.name.startswith("megatron_")]
+    return ([megatron] if megatron else []) + [[job] for job in plan if job not in megatron]
+
+
+def run_lanes(plan: list[list[Job]], out: Path, timeout_s: float, workers: int) -> dict[str, list[Record]]:
+    """Every lane's jobs one after the other, `workers` lanes at a time; each job's rows by its name."""
+
+    def lane(jobs_in_lane: list[Job]) -> dict[str, list[Record]]:
+        done = {}
+        for job in jobs_in_lane:
+            done[job.name] = run_job(job, out, timeout_s)
+            print(table(done[job.name][-1:]).splitlines()[-1], flush=True)
+        return done
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return {name: rows for result in pool.map(lane, plan) for name, rows in result.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (its rehearsal)")
@@ -86,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(PIECES), help=f"comma-separated, of {', '.join(PIECES)}")
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_check"))
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds a piece may take")
+    parser.add_argument("--jobs", type=int, default=1, help="processes at a time (1 on a GPU)")
     args = parser.parse_args(argv)
     pieces = tuple(p for p in args.only.split(",") if p)
     unknown = sorted(set(pieces) - set(PIECES))
@@ -93,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only: unknown pieces {unknown}; choose from {', '.join(PIECES)}")
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     records: list[Record] = []
-    for job in jobs(args.device, args.size, args.out, pieces):
-        records += run_job(job, args.out, args.timeout)
-        print(table(records[-1:]).splitlines()[-1], flush=True)
+    plan = jobs(args.device, args.size, args.out, pieces)
+    done = run_lanes(lanes(plan), args.out, args.timeout, args.jobs)
+    for job in plan:  # the table in the plan's order, whatever order the lanes ended in
+        records += done[job.name]
     save(records, args.out / "results.json")
     text = table(records)
     (args.out / "table.md").write_text(text + "\n")

@@ -21,7 +21,7 @@ class KeepsOldWeights(transport.LoadsIntoModel):
 
 
 def test_every_piece_passes_its_checks_on_cpu(tmp_path):
-    assert main(["--device", "cpu", "--size", "tiny", "--out", str(tmp_path)]) == 0
+    assert main(["--device", "cpu", "--size", "tiny", "--jobs", "2", "--out", str(tmp_path)]) == 0
     records = load(tmp_path / "results.json")
     pieces = " | ".join(r.piece for r in records)
     expected = ["torch single rank bf16", "torch FSDP2, one rank bf16", "megatron TP=PP=1 fp32", "R3 replay, torch"]
