@@ -30,15 +30,14 @@ run: install
 	$(VENV)/bin/asyncrl run $(ARGS)
 
 # The whole suite: the unit and CLI tests first, one per core (pytest-xdist: each is one process's work, mostly
-# imports), then the multi-process and stream tests on two workers: the tests on this session's Ray in one, in order,
-# beside those that start their own processes and clusters (tests/conftest.py: the groups, the folders' order and
-# timeouts). pytest's cache is on: `make test ARGS=--lf` reruns what failed last time. Exit status 5 is "nothing
-# selected", e.g. an ARGS that picks tests of the other half only.
+# imports), then the multi-process and stream tests one at a time (they use every core: run beside each other, their
+# processes' threads oversubscribe the cores and the whole takes longer; tests/conftest.py orders the folders and sets
+# each one's timeout). pytest's cache is on: `make test ARGS=--lf` reruns what failed last time. Exit status 5 is
+# "nothing selected", e.g. an ARGS that picks tests of the other half only.
 FAST := tests/unit tests/cli
 test: install
 	$(PY) -m pytest -q -n auto --dist loadgroup --durations=5 $(ARGS) $(FAST) || [ $$? -eq 5 ]
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 $(ARGS) tests/distributed tests/pipeline tests/gpu \
-		|| [ $$? -eq 5 ]
+	$(PY) -m pytest -q --durations=15 $(ARGS) tests/distributed tests/pipeline tests/gpu || [ $$? -eq 5 ]
 
 # The unit and CLI tests: no Ray session of the suite's, no engine; about 2 minutes on 2 cores. The extras' resolution
 # (marked `network`: pip downloads torch's and vLLM's wheels, up to 10 minutes an extra) is left out.

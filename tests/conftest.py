@@ -30,11 +30,6 @@ def pytest_configure(config):
 # machine with room to spare. A test that needs more says so with its own @pytest.mark.timeout.
 FOLDERS = {"unit": 300, "cli": 300, "distributed": 600, "pipeline": 900, "gpu": 900}
 
-# make test runs the multi-process and stream tests on two pytest-xdist workers (--dist loadgroup), one per group:
-# "own", the tests that start their processes, Ray clusters included, as commands of their own (and take about one
-# core), beside "session", the tests on this session's Ray and its shared runs, which must stay in one process.
-OWN_PROCESSES = {"test_faults.py", "test_multi_node.py", "test_interrupt.py"}
-
 
 def _folder(item) -> str:
     parts = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts
@@ -42,16 +37,13 @@ def _folder(item) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the folders in FOLDERS' order (stable within one), give each test its folder's timeout and its xdist group,
-    and skip the GPU tests without a GPU."""
+    """Run the folders in FOLDERS' order (stable within one), give each test its folder's timeout, and skip the GPU
+    tests without a GPU."""
     order = list(FOLDERS)
     items.sort(key=lambda item: order.index(_folder(item)) if _folder(item) in order else len(order))
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(FOLDERS.get(_folder(item), 900)))
-        if _folder(item) in ("distributed", "pipeline", "gpu") and item.get_closest_marker("xdist_group") is None:
-            own = _folder(item) == "distributed" or Path(str(item.fspath)).name in OWN_PROCESSES
-            item.add_marker(pytest.mark.xdist_group("own" if own else "session"))
     import torch
 
     if torch.cuda.is_available():
