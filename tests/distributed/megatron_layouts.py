@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -67,20 +68,54 @@ def _rank(rank: int, tp: int, pp: int, port: int, model_dir: str, queue) -> None
         queue.put(("losses", {"logprobs": logprobs, "steps": steps}))
 
 
+PORT_TRIES = 3
+
+
 def train(tp: int, pp: int, model_dir: str, target=None, extra: tuple = ()) -> dict:
     """One layout's run: its ranks as processes running `target` (default `_rank`, called with
-    (rank, tp, pp, port, model_dir, *extra, queue)), their results once all have ended well."""
+    (rank, tp, pp, port, model_dir, *extra, queue)), their results once all have ended well. A rank that fails sends
+    its traceback, which fails the run at once (not after the results' timeout); when another process took the free
+    port before rank 0 bound it ("Address already in use"), the ranks start again on another, up to PORT_TRIES times."""
+    for attempt in range(1, PORT_TRIES + 1):
+        result, error = _run_ranks(tp, pp, model_dir, target or _rank, extra)
+        if error is None:
+            return result["export"] | result["losses"]
+        if "Address already in use" not in error or attempt == PORT_TRIES:
+            raise AssertionError(f"a rank of TP={tp} x PP={pp} failed (try {attempt}):\n{error}")
+        print(f"megatron_layouts: the rendezvous port was taken (try {attempt}), starting the ranks again")
+    raise AssertionError("unreachable")
+
+
+def _run_ranks(tp: int, pp: int, model_dir: str, target, extra: tuple) -> tuple[dict, str | None]:
+    """(results by kind, None), or ({}, the first failing rank's traceback) with every rank ended."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    args = [(r, tp, pp, port, model_dir, *extra, queue) for r in range(tp * pp)]
-    procs = [ctx.Process(target=target or _rank, args=a) for a in args]
+    args = [(target, r, tp, pp, port, model_dir, *extra, queue) for r in range(tp * pp)]
+    procs = [ctx.Process(target=_guarded, args=a) for a in args]
     for p in procs:
         p.start()
-    result = dict(queue.get(timeout=300) for _ in range(2))
+    results: dict = {}
+    while len(results) < 2:
+        kind, value = queue.get(timeout=300)
+        if kind == "error":
+            for p in procs:
+                p.kill()
+                p.join(timeout=60)
+            return {}, value
+        results[kind] = value
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    return result["export"] | result["losses"]
+    return results, None
+
+
+def _guarded(target, *args) -> None:
+    """`target(*args)` in a rank's process; its traceback goes to the parent (the queue is the last argument)."""
+    try:
+        target(*args)
+    except BaseException:
+        args[-1].put(("error", traceback.format_exc()))
+        raise
 
 
 def tie(model_dir: Path, out: Path) -> str:
