@@ -103,19 +103,26 @@ def _run_ranks(tp: int, pp: int, model_dir: str, target, extra: tuple) -> tuple[
                 p.join(timeout=60)
             return {}, value
         results[kind] = value
-    for p in procs:
+    for rank, p in enumerate(procs):
         p.join(timeout=60)
-        assert p.exitcode == 0
+        assert p.exitcode == 0, f"rank {rank} of TP={tp} x PP={pp} sent its results, then exited with {p.exitcode}"
     return results, None
 
 
 def _guarded(target, *args) -> None:
-    """`target(*args)` in a rank's process; its traceback goes to the parent (the queue is the last argument)."""
+    """`target(*args)` in a rank's process; its traceback goes to the parent (the queue is the last argument). The
+    ranks then leave their process group together, so that none exits while a peer still talks to it (a rank once
+    ended with a non-zero exit code after sending its results)."""
+    import torch.distributed as dist
+
     try:
         target(*args)
     except BaseException:
         args[-1].put(("error", traceback.format_exc()))
         raise
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def tie(model_dir: Path, out: Path) -> str:
