@@ -149,15 +149,20 @@ class OutcomeAdvantage(AdvantageStage):
         raise NotImplementedError
 
     def estimate(self, batch: pa.Table, rewards: TokenRewards) -> tuple[np.ndarray, np.ndarray]:
-        seq_adv = np.zeros(len(rewards.score), np.float64)
+        seq_adv = self.per_group(batch, rewards, rewards.score)
+        return seq_adv[:, None] * rewards.mask, seq_adv
+
+    def per_group(self, batch: pa.Table, rewards: TokenRewards, scores: np.ndarray) -> np.ndarray:
+        """(B,) group_advantage of `scores` within each group, over the samples in the loss (others stay 0)."""
+        seq_adv = np.zeros(len(scores), np.float64)
         for rows in self.groups(batch):
             if rewards.counts is not None:
                 rows = rows[rewards.counts[rows]]
                 if len(rows) == 1 and self.group_size > 1:  # no peer left to be compared with
                     continue
             if len(rows):
-                seq_adv[rows] = self.group_advantage(rewards.score[rows])
-        return seq_adv[:, None] * rewards.mask, seq_adv
+                seq_adv[rows] = self.group_advantage(scores[rows])
+        return seq_adv
 
 
 def _counted(batch: pa.Table) -> np.ndarray | None:

@@ -55,20 +55,8 @@ class GDPOAdvantage(GRPOAdvantage):
         components = self.components(batch, rewards)
         seq_adv = np.zeros(len(rewards.score), np.float64)
         for weight, scores in zip(self.reward_weights, components, strict=True):
-            seq_adv += weight * self.normalised(batch, rewards, scores)
+            seq_adv += weight * self.per_group(batch, rewards, scores)
         return seq_adv[:, None] * rewards.mask, seq_adv
-
-    def normalised(self, batch: pa.Table, rewards: TokenRewards, scores: np.ndarray) -> np.ndarray:
-        """GRPO's per-group normalisation of one component (rows left out of the loss stay 0)."""
-        out = np.zeros(len(scores), np.float64)
-        for rows in self.groups(batch):
-            if rewards.counts is not None:
-                rows = rows[rewards.counts[rows]]
-                if len(rows) == 1 and self.group_size > 1:  # no peer left to be compared with
-                    continue
-            if len(rows):
-                out[rows] = self.group_advantage(scores[rows])
-        return out
 
     def components(self, batch: pa.Table, rewards: TokenRewards) -> list[np.ndarray]:
         """(B,) scores of each reward key, read from reward_extra_info; a sample in the loss without one of them is an

@@ -11,7 +11,6 @@ sent (the checksums of both workers, read through collective_rpc).
 
 import json
 import math
-import time
 
 import pyarrow as pa
 import pytest
@@ -22,25 +21,10 @@ from stages.generate import VLLMGenerate
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
+from tests.pipeline.engine_checks import TOL, prompts
 from tests.pipeline.modes import check_mode
 
-TOL = 1e-4  # float32 logprobs, engine against trainer (measured differences are around 1e-6)
 TP = 2
-
-
-def _prompts(tokenizer, texts: list[str]) -> pa.Table:
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return pa.table(
-        {
-            "prompt_id": [f"p{i}" for i in range(len(texts))],
-            "prompt_text": texts,
-            "prompt_ids": pa.array(ids, pa.list_(pa.int32())),
-            "ground_truth": [""] * len(texts),
-            "data_source": ["reverse"] * len(texts),
-            "admitted_version": pa.array([0] * len(texts), pa.int64()),
-            "admitted_time": [time.time()] * len(texts),
-        }
-    )
 
 
 @pytest.mark.slow
@@ -86,7 +70,7 @@ def _push_reaches_both_ranks(model_dir, log_dir) -> None:
         .options(num_cpus=1)
         .remote(str(model_dir), "clock-etp", "etp", n=2, max_tokens=8, max_model_len=128, tensor_parallel_size=TP)
     )
-    batch = _prompts(tokenizer, ["reverse: a b c =", "reverse: d e ="])
+    batch = prompts(tokenizer, ["reverse: a b c =", "reverse: d e ="])
 
     def gap(out: pa.Table) -> float:
         recomputed = ray.get(trainer.logprobs.remote(out["prompt_ids"].to_pylist(), out["response_ids"].to_pylist()))
