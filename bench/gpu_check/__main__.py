@@ -41,7 +41,7 @@ def jobs(device: str, size: str, out: Path, pieces: tuple[str, ...]) -> list[Job
     common = ["--device", device]
     plan: list[Job] = []
     if "torch" in pieces:
-        for variant in ("single", "fsdp"):
+        for variant in ("single", "fsdp", "packed"):
             plan.append(Job(f"torch_{variant}", "trainer_step", common + ["--size", size, "--variant", variant]))
     if "megatron" in pieces:
         cpu_rows = str(out / "megatron_cpu.json")

@@ -1,5 +1,7 @@
 """The torch trainer on the device: one step in fp32 and in bf16, as a single rank and as FSDP2 (a one-rank world,
-NCCL on a GPU, gloo on CPU), each against the same step on the CPU in fp32 (the reference, made in the same process).
+NCCL on a GPU, gloo on CPU), and as a single rank on verl's efficient path (packed sequences, which on a GPU in bf16
+attend through torch's varlen flash kernel; token-budget micro-batches; activation checkpointing), each against the
+same padded step on the CPU in fp32 (the reference, made in the same process).
 
 What a step is compared on: the mini-batch's loss (actor/pg_loss) and entropy, the gradient's norm before clipping
 (actor/grad_norm), every token's logprob before the update (the forward), and the update itself: the cosine between
@@ -32,11 +34,20 @@ TOLERANCES = {
     "bf16": {"loss": 2e-2, "entropy": 2e-2, "grad_norm": 5e-2, "logprobs": 0.1, "cosine": 0.9, "after_mean": 2e-2},
 }
 LR, MICRO = 1e-4, 4
+VARIANT_NAMES = {
+    "single": "torch single rank",
+    "fsdp": "torch FSDP2, one rank",
+    "packed": "torch single rank, packed + token budget + checkpointing",
+}
 
 
-def run_step(model_dir: Path, rows: dict, device: str, dtype: str, fsdp: bool, warm: bool = True) -> dict:
+def run_step(
+    model_dir: Path, rows: dict, device: str, dtype: str, fsdp: bool, warm: bool = True, packed: bool = False
+) -> dict:
     """One TorchTrainer step on `rows` and what it measured; `fsdp`: as FSDP2's only rank (the process group is
-    destroyed afterwards, so the next variant can form its own); `warm`: time a second step too."""
+    destroyed afterwards, so the next variant can form its own); `warm`: time a second step too; `packed`: the
+    efficient path verl's recipes switch on (padding-free packing, micro-batches by a token budget of two of the
+    longest rows, activation checkpointing), which must give the padded step's numbers."""
     import os
 
     import torch.distributed as dist
@@ -44,13 +55,19 @@ def run_step(model_dir: Path, rows: dict, device: str, dtype: str, fsdp: bool, w
     from stages.trainer.fsdp import DPRank
     from stages.trainer.precision import MixedPrecision
     from stages.trainer.ranks import free_port
-    from stages.trainer.settings import PolicySettings
+    from stages.trainer.settings import ExecutionSettings, PolicySettings
     from stages.trainer.torch_backend import TorchTrainer
 
     rank = DPRank(0, 1, free_port(), fsdp=True) if fsdp else None
+    longest = max(len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"], strict=True))
+    policy = PolicySettings(
+        lr=LR, micro_batch_size=MICRO, use_dynamic_bsz=packed, ppo_max_token_len_per_gpu=2 * longest
+    )
+    execution = ExecutionSettings(use_remove_padding=packed, enable_gradient_checkpointing=packed)
     trainer = TorchTrainer(
         str(model_dir),
-        PolicySettings(lr=LR, micro_batch_size=MICRO),
+        policy,
+        execution=execution,
         data_parallel=rank,
         mixed_precision=MixedPrecision(param_dtype=dtype),
         device=device,
@@ -164,9 +181,8 @@ def run(device: str, size: str, variant: str, work: Path) -> list[Record]:
     ref = run_step(model_dir, rows, "cpu", "fp32", fsdp=False, warm=False)
     records = []
     for dtype in ("fp32", "bf16"):
-        got = run_step(model_dir, rows, device, dtype, fsdp=variant == "fsdp")
-        name = "torch single rank" if variant == "single" else "torch FSDP2, one rank"
-        records.append(compare(f"{name} {dtype}", device, got, ref, dtype))
+        got = run_step(model_dir, rows, device, dtype, fsdp=variant == "fsdp", packed=variant == "packed")
+        records.append(compare(f"{VARIANT_NAMES[variant]} {dtype}", device, got, ref, dtype))
     if variant == "single":
         records.append(reference_model(model_dir, rows, device))
     return records
@@ -176,7 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", default="gpu")
-    parser.add_argument("--variant", choices=("single", "fsdp"), default="single")
+    parser.add_argument("--variant", choices=tuple(VARIANT_NAMES), default="single")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:

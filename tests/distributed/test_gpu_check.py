@@ -25,7 +25,12 @@ def test_every_piece_passes_its_checks_on_cpu(tmp_path):
     records = load(tmp_path / "results.json")
     pieces = " | ".join(r.piece for r in records)
     expected = ["torch single rank bf16", "torch FSDP2, one rank bf16", "megatron TP=PP=1 fp32", "R3 replay, torch"]
-    expected += ["R3 replay, megatron", "reference model", "weight push (gloo)"]
+    expected += [
+        "R3 replay, megatron",
+        "reference model",
+        "weight push (gloo)",
+        "packed + token budget + checkpointing bf16",
+    ]
     assert all(piece in pieces for piece in expected), pieces
     assert all(r.ok and r.checks for r in records)
     assert "| weight push (gloo) to a receiver process | cpu |" in (tmp_path / "table.md").read_text()
