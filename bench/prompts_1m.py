@@ -115,7 +115,8 @@ def pull(path: Path, model_dir: Path, out: Path, total: int, n_blocks: int = 5, 
 
     from pipeline.config import load_config
     from pipeline.prepare import start_ray
-    from pipeline.stream import configure_data_context, prompt_dataset
+    from pipeline.stream import configure_data_context
+    from pipeline.tasks.prompt_input import prompt_dataset
     from stages.ray_internals import executor_metrics, wait_for_data_threads
 
     source = build_source(path, model_dir, total)

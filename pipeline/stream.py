@@ -1,9 +1,10 @@
 """Wire the Ray Data stream from the config: source -> gate -> generate -> [reference logprobs] -> [reward model] ->
-reward -> advantage -> sample log -> split (the last four in the engine's actor unless a model needs a stage between:
-see stages/scored_generate.py); and the step-level operation the training sink applies (advantage whitening).
+[judge] -> reward -> advantage -> sample log -> split (the last four in the engine's actor unless a model needs a
+stage between: see stages/scored_generate.py); and the step-level operation the training sink applies (advantage
+whitening).
 
-The source (`prompt_dataset`) reads the prompts lazily, paced by the gate's admissions: nothing of it grows with
-rollout.total_rollout_steps.
+The source (`prompt_dataset`, pipeline/tasks/prompt_input.py) reads the prompts lazily, paced by the gate's admissions:
+nothing of it grows with rollout.total_rollout_steps.
 
 Resources are set here, never inside a stage. Only this module reads stage specs from the config; the stages get
 plain constructor arguments.
@@ -21,15 +22,16 @@ from typing import Any
 import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext
-from ray.exceptions import UserCodeException
 
 from pipeline.config import ConfigError, RunConfig, bind, stage_class
 from pipeline.config.execution import reference_options
 from pipeline.config.placement import (
+    JUDGE_CPUS,
     RM_CPUS,
     SPLIT_CPUS,
     Placement,
     engine_gpus,
+    judge_gpus,
     layout,
     reference_gpus,
     reward_model_gpus,
@@ -38,13 +40,14 @@ from pipeline.config.placement import (
 from pipeline.config.placement import check as check_placement
 from pipeline.config.placement import resolve as placement_for
 from pipeline.config.targets import advantage_wiring
-from pipeline.tasks.admission import PromptSource, end_block, paced, super_chunks
-from pipeline.tasks.source import PromptDataError
+from pipeline.tasks.admission import PromptSource
+from pipeline.tasks.prompt_input import prompt_dataset
 from stages import ray_internals
 from stages.advantage import ESTIMATORS, whiten_step
 from stages.gate import StalenessGate
 from stages.group_filter import GroupFilter
 from stages.handoff import SplitTokens, TokenTables
+from stages.judge import Judge
 from stages.remote_reward import RemoteReward
 from stages.reward_model import RewardModel
 from stages.reward_sources import RewardSources
@@ -147,10 +150,11 @@ def step_transform(cfg: RunConfig) -> Callable[[pa.Table], pa.Table] | None:
 
 
 def dynamic_sampling(cfg: RunConfig, clock, path: str, start_step: int) -> DynamicSampling | None:
-    """The sink's dynamic sampling when algorithm.filter_groups.enable: its filter, the clock's refund of a filtered
-    prompt's permit, and the cap, max_num_gen_batches steps' worth of groups."""
-    fg = cfg.algorithm.filter_groups
-    if not fg.enable:
+    """The sink's dynamic sampling when algorithm.filter_groups.enable (its filter and its cap, max_num_gen_batches
+    steps' worth of groups) and its refill of the groups reward.on_error=drop_group drops; the clock's refund of a
+    left-out prompt's permit. None when neither is on."""
+    fg, drop = cfg.algorithm.filter_groups, cfg.reward.on_error == "drop_group"
+    if not (fg.enable or drop):
         return None
     cap = fg.max_num_gen_batches * cfg.async_training.require_batches * cfg.actor.ppo_mini_batch_size
 
@@ -161,7 +165,8 @@ def dynamic_sampling(cfg: RunConfig, clock, path: str, start_step: int) -> Dynam
     def on_filtered(prompt_ids: list[str]) -> int:
         return ray.get(clock.filtered.remote(prompt_ids))
 
-    return DynamicSampling(GroupFilter(fg.metric), on_filtered, path, cap, start_step, drained)
+    group_filter = GroupFilter(fg.metric) if fg.enable else None
+    return DynamicSampling(group_filter, on_filtered, path, cap if fg.enable else 0, start_step, drained, drop)
 
 
 def reward_step(cfg: RunConfig) -> RewardSources:
@@ -171,14 +176,17 @@ def reward_step(cfg: RunConfig) -> RewardSources:
     crf, rw = cfg.reward.custom_reward_function, cfg.reward
     remote = RemoteReward(**dataclasses.asdict(rw.remote)) if rw.remote.url else None
     rule = None
-    if crf.path or not (rw.reward_model.enable or remote):
+    model_sources = tuple(
+        name for name, on in (("reward_model", rw.reward_model.enable), ("judge", rw.judge.enable)) if on
+    )
+    if crf.path or not (model_sources or remote):
         reward_cls, reward_kwargs = reward_stage(cfg)
         rule = reward_cls(**reward_kwargs)
     return RewardSources(
         rule,
         rule_name="custom" if crf.path else "rule",
         remote=remote,
-        model_sources=("reward_model",) if rw.reward_model.enable else (),
+        model_sources=model_sources,
         on_error=rw.on_error,
         max_attempts=rw.max_attempts,
         backoff_s=rw.retry_backoff_s,
@@ -317,7 +325,31 @@ def _model_stages(cfg: RunConfig, inputs: StreamInputs) -> list[Stage]:
             "compute": ActorPoolStrategy(size=rm.num_replicas),
         }
         stages.append(Stage("reward_model", RewardModel, reward_model_kwargs(cfg), rm_options))
+    judge = cfg.reward.judge
+    if judge.enable:
+        judge_options = {
+            "num_cpus": JUDGE_CPUS,
+            "num_gpus": judge_gpus(cfg, inputs.cluster_gpus),
+            "compute": ActorPoolStrategy(size=judge.num_replicas),
+        }
+        stages.append(Stage("judge", Judge, judge_kwargs(cfg, inputs.model_dir), judge_options))
     return stages
+
+
+def judge_kwargs(cfg: RunConfig, model_dir: str) -> dict[str, Any]:
+    """The judge stage's keywords (reward.judge): the policy's starting weights unless a model is named; it judges
+    a failed sample again only under reward.on_error=retry."""
+    judge, rw = cfg.reward.judge, cfg.reward
+    return {
+        "model_dir": judge.model_path or model_dir,
+        "path": judge.path,
+        "max_tokens": judge.max_tokens,
+        "temperature": judge.temperature,
+        "max_model_len": judge.max_model_len,
+        "kv_cache_gb": judge.kv_cache_gb,
+        "seed": cfg.trainer.seed,
+        "max_attempts": rw.max_attempts if rw.on_error == "retry" else 1,
+    }
 
 
 def _gate(inputs: StreamInputs) -> Stage:
@@ -374,71 +406,3 @@ def build_stream(
     for stage in stream_stages(cfg, inputs):
         ds = stage.apply(ds)
     return ds
-
-
-def prompt_dataset(source: PromptSource, clock: tuple[str, str] | None = None) -> ray.data.Dataset:
-    """The source as Ray Data's input: blocks of `block_rows` prompts in admission order, then the end marker.
-
-    Ray Data merges what one task yields into blocks of `target_max_block_size` bytes, so the prompts come out of
-    one read task in joins of whole blocks just over that size (`super_chunks`: each leaves the task as it is
-    yielded) and a streaming repartition cuts them back into blocks of `block_rows`, where `PromptSource.blocks`
-    cuts them. Left alone, Ray Data would read as far ahead as its memory
-    budget allows (for a large file, minutes of tokenizing and many thousand blocks); the read task is `paced` by
-    the clock's admission count instead, at most two joins ahead of the gate. A second read task, read after the
-    first (one at a time), gives the end marker its own block, after every prompt. The read and the cut take no
-    CPU: they mostly wait, and a reserved CPU would be one fewer for the stages on a small machine.
-
-    `clock`: the VersionClock's (name, namespace); without one (a benchmark) the read is not paced.
-    """
-    # Over the target (whatever Ray adds to nbytes), and by less than one block: a task's output of 1.5x the target
-    # or more is sliced at arbitrary rows.
-    join_bytes = int(1.1 * DataContext.get_current().target_max_block_size)
-    datasource = _PromptDatasource(ray.put(source), join_bytes, clock)
-    ds = ray.data.read_datasource(datasource, override_num_blocks=2, num_cpus=0, concurrency=1)
-    # One task at a time keeps the blocks in order (and the end marker last), num_cpus=0 as above.
-    return ray_internals.repartition_in_order(ds, source.block_rows)
-
-
-class _PromptDatasource(ray.data.Datasource):
-    """Two read tasks: the source's prompts, then its end marker. The source travels as one object in the object
-    store (it holds the prompt file), not inside each task."""
-
-    def __init__(self, source_ref: ray.ObjectRef, join_bytes: int, clock: tuple[str, str] | None) -> None:
-        self.source_ref, self.join_bytes, self.clock = source_ref, join_bytes, clock
-
-    def get_name(self) -> str:
-        return "Prompts"
-
-    def estimate_inmemory_data_size(self) -> None:
-        return None
-
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context=None) -> list:
-        from ray.data.block import BlockMetadata
-        from ray.data.datasource import ReadTask
-
-        ref, join_bytes, clock = self.source_ref, self.join_bytes, self.clock
-
-        def prompts():
-            source = ray.get(ref)
-            try:
-                joins = super_chunks(source.chunks(), join_bytes, source.block_rows)
-                yield from paced(joins, _admission_count(clock, source))
-            except PromptDataError as err:
-                raise BadPromptRow(err.message) from None
-
-        unknown = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
-        return [ReadTask(prompts, unknown), ReadTask(lambda: [end_block()], unknown)]
-
-
-def _admission_count(clock: tuple[str, str] | None, source: PromptSource) -> Callable[[], int]:
-    """Prompts of `source` the gate has admitted so far; the clock's ledger also holds a resumed run's prior ones,
-    which are the ids the source skips."""
-    if clock is None:
-        return lambda: 1 << 62
-    actor, prior = ray.get_actor(clock[0], namespace=clock[1]), len(source.order.skip)
-    return lambda: ray.get(actor.stats.remote())["admitted_total"] - prior
-
-
-class BadPromptRow(PromptDataError, UserCodeException):
-    """A bad row the stream reached. Being a UserCodeException, Ray Data reports it as the data's fault (one line, no
-    internal traceback, no advice to file a Ray bug); the driver catches it as the PromptDataError it is."""

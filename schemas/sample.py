@@ -137,6 +137,7 @@ SOURCE_RECORD = pa.struct(
         pa.field("error", pa.string()),  # why it failed (its last attempt's reason), null when it scored
         pa.field("latency_s", pa.float64()),  # the source's time on the sample (see the column's doc)
         pa.field("attempts", pa.int32()),  # calls made for the sample: 1, or more when it was retried
+        pa.field("output", pa.string()),  # what a generative source said (a judge's verdict), null for the others
     ]
 )
 # Added by the reward step (stages/reward_sources.py) when it runs; absent from hand-built batches, whose rewards all
@@ -145,10 +146,10 @@ REWARD_SOURCE_COLUMNS = (
     _col(
         "reward_sources",
         pa.map_(pa.string(), SOURCE_RECORD),
-        "every reward source that worked on the sample, by name ('rule', 'custom', 'reward_model', 'remote'): its "
-        "score, error, attempts and latency_s (a remote service's request round trips, retries and backoff included; "
-        "a reward model's micro-batch forward pass; a rule or custom function's whole block, whose samples are "
-        "scored side by side)",
+        "every reward source that worked on the sample, by name ('rule', 'custom', 'reward_model', 'judge', "
+        "'remote'): its score, error, attempts and latency_s (a remote service's request round trips, retries and "
+        "backoff included; a reward model's micro-batch forward pass; a judge's request and parse; a rule or custom "
+        "function's whole block, whose samples are scored side by side), and a judge's verdict text (output)",
     ),
     _col(
         "reward_status",
@@ -188,7 +189,17 @@ TRAIN_COLUMNS = (
 FILTER_COLUMNS = (
     _col("filtered_version", pa.int64(), "the clock's weight version when the sink filtered the sample's group"),
     _col("filtered_step", pa.int64(), "the step the sink was filling when it filtered the group (1-based)"),
-    _col("filtered_value", pa.float64(), "the filter metric's value, the same for every response of the group"),
+    _col(
+        "filtered_value",
+        pa.float64(),
+        "the filter metric's value, the same for every response of the group (null when the reason is reward_failed)",
+    ),
+    _col(
+        "filtered_reason",
+        pa.string(),
+        "why the group was left out: 'flat' (dynamic sampling: its metric has no spread) or 'reward_failed' "
+        "(reward.on_error=drop_group: a sample's reward failed)",
+    ),
 )
 
 ALL_COLUMNS = (

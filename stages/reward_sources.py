@@ -12,13 +12,15 @@ The sources, each named in reward_sources:
   custom_reward_function for every sample ('custom').
 - 'reward_model': a discriminative reward model, which runs in an actor stage of its own before this step (so its
   records arrive with the block).
+- 'judge': a generative judge (stages/judge.py), in an actor stage of its own before this step, the same way.
 - 'remote': an HTTP reward service (stages/remote_reward.py), called from here.
 
 How they combine is verl's reward loop's rule: a custom reward function, when configured, gives the reward, and it
 sees the score of every model source that ran before it in `extra_info["reward_scores"]` (verl hands it the reward
 model's address instead; here the model has already scored); without one, the model source's score is the reward
 (verl: a discriminative reward model replaces the rule score); with neither, the data source's verifier gives it.
-Two model sources and no function to combine them is a configuration error (pipeline/config/reward.py).
+Two sources that give a score (a reward model, a judge, a remote service) and no function to combine them is a
+configuration error (pipeline/config/reward.py).
 
 A sample fails when a source it needs fails (the rule stage's reward_error, a model's or a service's error); a
 sample whose model source failed is not handed to the custom function. `on_error` decides what it becomes:
@@ -28,8 +30,8 @@ sample whose model source failed is not handed to the custom function. `on_error
   `backoff_s` doubling between rounds; what still fails is masked.
 - 'mask': the sample leaves the loss and its group's statistics (the advantage stage reads reward_status: its
   response_mask and advantages become 0, and its group's baseline is computed over the others).
-- 'drop_group': every member of a group with a failed sample leaves the loss. Its place in the step is not refilled
-  (that needs the gate to admit a replacement prompt), so the step trains on fewer groups.
+- 'drop_group': every member of a group with a failed sample is marked 'dropped'. The training sink leaves the
+  group out and the gate admits a prompt in its place (stages/sink.py), so every step still trains its full batch.
 Every failed sample keeps its error in reward_error and its source's record, in the sample log; the audit counts them.
 """
 
@@ -54,9 +56,18 @@ MAX_BACKOFF_S = 30.0
 Stage = Callable[[pa.Table], pa.Table]
 
 
-def record(score: float | None, error: str | None, latency_s: float, attempts: int = 1) -> dict[str, Any]:
-    """One source's record of one sample (schemas.SOURCE_RECORD): a score, or the error that stands for it."""
-    return {"score": None if error else score, "error": error, "latency_s": float(latency_s), "attempts": attempts}
+def record(
+    score: float | None, error: str | None, latency_s: float, attempts: int = 1, output: str | None = None
+) -> dict[str, Any]:
+    """One source's record of one sample (schemas.SOURCE_RECORD): a score, or the error that stands for it, and what
+    a generative source said."""
+    return {
+        "score": None if error else score,
+        "error": error,
+        "latency_s": float(latency_s),
+        "attempts": attempts,
+        "output": output,
+    }
 
 
 def records_of(table: pa.Table) -> list[dict[str, dict[str, Any]]]:

@@ -13,7 +13,8 @@ audit checks it from the logs. Data never waits in the sink longer than the boun
 
 With dynamic sampling (algorithm.filter_groups, stages.group_filter) a group without signal never enters the buffer:
 the clock hears of it at once and admits a prompt in its place, and its rows go to the filter log with the step
-being filled, so every step still trains `required_samples` groups.
+being filled, so every step still trains `required_samples` groups. A group the reward step dropped
+(reward.on_error=drop_group: one of its samples failed to score) is left out and refilled the same way.
 
 Blocks arrive as stages.handoff.Delivered: the scalar columns, and a reference to the per-token ones, which stay in
 Ray's object store until the trainer fetches them (a plain table holding every column is taken too). A step goes to
@@ -35,10 +36,12 @@ import pyarrow.compute as pc
 from schemas import CONSUMED_SCHEMA, FILTERED_SCHEMA, PER_TOKEN_COLUMNS, REQUIRED_COLUMNS, require_columns
 from stages.group_filter import GroupFilter
 from stages.handoff import Delivered, StepRows
+from stages.reward_sources import DROPPED
 from stages.sample_log import write_shard
 from stages.staleness import StalenessBudget
 
 LIGHT_REQUIRED = tuple(c for c in REQUIRED_COLUMNS if c not in PER_TOKEN_COLUMNS)
+FLAT_REASON, DROPPED_REASON = "flat", "reward_failed"  # the filter log's filtered_reason
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Step:
     transform: Callable[[pa.Table], pa.Table] | None = None
     heavy_bytes: int = 0  # the per-token columns' size, left in the object store
     filtered_groups: int | None = None  # groups dynamic sampling left out while this step filled (None: it is off)
+    dropped_groups: int | None = None  # groups left out for a failed reward while it filled (None: not drop_group)
 
     def minibatches(self, size: int) -> StepRows:
         """The step as the trainer takes it: mini-batches of `size` groups."""
@@ -114,8 +118,8 @@ class TrainingSink:
         groups = [self.buffer.pop(pid) for pid in chosen]
         refs = [self.refs.pop(pid) for pid in chosen]
         heavy = sum(size for _, size in refs)
-        filtered = self.sampling.step_filled() if self.sampling else None
-        return Step(groups, waited, version, [ref for ref, _ in refs], self.step_transform, heavy, filtered)
+        filtered, dropped = self.sampling.step_filled() if self.sampling else (None, None)
+        return Step(groups, waited, version, [ref for ref, _ in refs], self.step_transform, heavy, filtered, dropped)
 
     def _age(self, prompt_id: str) -> tuple[int, float, str]:
         t = self.buffer[prompt_id]
@@ -176,46 +180,51 @@ class FilterCapError(RuntimeError):
 
 
 class DynamicSampling:
-    """The sink's part of DAPO's dynamic sampling: decide each group (stages.group_filter), tell the clock of the ones
-    left out (`on_filtered(prompt_ids)` returns the clock's version), and keep their rows for the filter log, which
-    `write(step)` appends as the shard of the step they were filtered while filling."""
+    """The sink's part of DAPO's dynamic sampling and of the refill of dropped groups: decide each group (a flat one
+    by stages.group_filter, when a filter is given; one the reward step dropped, when `drop_failed`), tell the clock
+    of the ones left out (`on_filtered(prompt_ids)` returns the clock's version), and keep their rows for the filter
+    log, which `write(step)` appends as the shard of the step they were left out while filling."""
 
     def __init__(
         self,
-        group_filter: GroupFilter,
+        group_filter: GroupFilter | None,
         on_filtered: Callable[[list[str]], int],
         path: str,
         max_per_step: int = 0,
         start_step: int = 0,
         drained: Callable[[int], bool] = lambda buffered: False,
+        drop_failed: bool = False,
     ) -> None:
         """`drained(buffered)`: whether the gate admitted the whole source and every prompt not yet trained or
-        filtered is among the `buffered` groups the sink holds (no group is left to come)."""
+        filtered is among the `buffered` groups the sink holds (no group is left to come). `max_per_step` caps the
+        flat groups one step may filter (0: no cap); dropped groups are not capped: the source running dry ends
+        a run whose every group fails."""
         self.filter, self.on_filtered, self.path = group_filter, on_filtered, path.rstrip("/")
-        self.drained = drained
-        self.max_per_step = max_per_step  # 0: no cap
+        self.drained, self.drop_failed = drained, drop_failed
+        self.max_per_step = max_per_step
         self.step = start_step  # the last step written (a resumed run's checkpoint step before the first)
         self.pending: list[pa.Table] = []
-        self.since_step = 0  # groups filtered while the current step fills
+        self.since_step = 0  # flat groups filtered while the current step fills
+        self.dropped_since_step = 0  # dropped groups left out while it fills
 
     def leaves_out(self, group: pa.Table) -> bool:
-        value = self.filter.shared_value(group)
-        if value is None:
+        reason, value = self._reason(group)
+        if reason is None:
             return False
         version = self.on_filtered([group["prompt_id"][0].as_py()])
         n = group.num_rows
-        self.pending.append(
-            pa.table(
-                {
-                    "sample_id": group["sample_id"],
-                    "prompt_id": group["prompt_id"],
-                    "filtered_version": pa.array([version] * n, pa.int64()),
-                    "filtered_step": pa.array([0] * n, pa.int64()),  # set when written: the step being filled
-                    "filtered_value": pa.array([value] * n, pa.float64()),
-                },
-                schema=FILTERED_SCHEMA,
-            )
-        )
+        columns = {
+            "sample_id": group["sample_id"],
+            "prompt_id": group["prompt_id"],
+            "filtered_version": pa.array([version] * n, pa.int64()),
+            "filtered_step": pa.array([0] * n, pa.int64()),  # set when written: the step being filled
+            "filtered_value": pa.array([value] * n, pa.float64()),
+            "filtered_reason": pa.array([reason] * n, pa.string()),
+        }
+        self.pending.append(pa.table(columns, schema=FILTERED_SCHEMA))
+        if reason == DROPPED_REASON:
+            self.dropped_since_step += 1
+            return True
         self.since_step += 1
         if self.max_per_step and self.since_step > self.max_per_step:
             raise FilterCapError(
@@ -226,10 +235,19 @@ class DynamicSampling:
             )
         return True
 
-    def step_filled(self) -> int:
-        """Groups filtered while the step just filled; the count restarts."""
-        count, self.since_step = self.since_step, 0
-        return count
+    def _reason(self, group: pa.Table) -> tuple[str | None, float | None]:
+        """Why `group` is left out (and the flat metric's value), or (None, None) to train it."""
+        if self.drop_failed and DROPPED in group["reward_status"].to_pylist():
+            return DROPPED_REASON, None
+        value = None if self.filter is None else self.filter.shared_value(group)
+        return (None, None) if value is None else (FLAT_REASON, value)
+
+    def step_filled(self) -> tuple[int | None, int | None]:
+        """Flat groups filtered and dropped groups left out while the step just filled (None for what is off); the
+        counts restart."""
+        flat, dropped = self.since_step, self.dropped_since_step
+        self.since_step = self.dropped_since_step = 0
+        return (flat if self.filter is not None else None), (dropped if self.drop_failed else None)
 
     def write(self, step: int) -> None:
         self.step = step

@@ -123,6 +123,12 @@ def _engine_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
         ),
         (ro.nnodes >= 1 and ro.n_gpus_per_node >= 0, "rollout.nnodes must be >= 1 and rollout.n_gpus_per_node >= 0"),
         (
+            cfg.reward.on_error != "drop_group" or ro.prompts_per_call == 1,
+            "reward.on_error=drop_group refills a dropped group's place through the gate, one prompt at a time: set "
+            "rollout.prompts_per_call=1 (a gate call that admits part of a larger block holds that part until its "
+            "call ends, and a dropped group's replacement may be in it)",
+        ),
+        (
             not cfg.algorithm.filter_groups.enable or ro.prompts_per_call == 1,
             "algorithm.filter_groups.enable=true admits prompts one at a time, as verl streams generation batches of "
             "one prompt under dynamic sampling: set rollout.prompts_per_call=1 (a gate call that admits part of a "

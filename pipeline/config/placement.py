@@ -29,6 +29,7 @@ VLLM = "stages.generate.VLLMGenerate"
 CPUS, HEAD_CPUS = "ray.num_cpus (a local Ray) or the nodes' --num-cpus", "the head's --num-cpus"
 SPLIT_CPUS = 0.25  # each of the split stage's actors (stream.py), and each of the task stages fused into it
 RM_CPUS = 0.5  # each reward-model replica: a fraction, so that it cannot deadlock a small machine
+JUDGE_CPUS = 0.5  # each judge replica (its engine's processes are not Ray's to count), the same reason
 # Resources the driver never asks for: not worth listing in a message.
 _UNSHOWN = ("memory", "object_store_memory", "accelerator_type:")
 
@@ -194,7 +195,18 @@ def layout(cfg: RunConfig, placement: Placement, cluster_gpus: float, reference:
                 "reward model", rm.num_replicas, {"CPU": RM_CPUS, "GPU": reward_model_gpus(cfg, cluster_gpus)}, {}, keys
             )
         )
+    judge = cfg.reward.judge
+    if judge.enable:
+        keys = "reward.judge.num_replicas" + (", reward.judge.gpus_per_replica" if cluster_gpus else "")
+        groups.append(
+            _group("judge", judge.num_replicas, {"CPU": JUDGE_CPUS, "GPU": judge_gpus(cfg, cluster_gpus)}, {}, keys)
+        )
     return groups
+
+
+def judge_gpus(cfg: RunConfig, cluster_gpus: float) -> float:
+    """GPUs each judge replica asks for: reward.judge.gpus_per_replica on a cluster with GPUs."""
+    return cfg.reward.judge.gpus_per_replica if cluster_gpus > 0 else 0.0
 
 
 def reward_model_gpus(cfg: RunConfig, cluster_gpus: float) -> float:

@@ -12,6 +12,7 @@ rate-limited reward manager. verl has no failure policy: `reward.on_error` is ou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from stages.reward_sources import OnError
@@ -48,6 +49,35 @@ class RewardModelConfig:
     """Actors of the reward-model stage, each with a copy of the model."""
     gpus_per_replica: float = 1.0
     """GPUs each replica asks Ray for on a cluster that has GPUs (a fraction shares one); none on a CPU cluster."""
+
+
+@dataclass
+class JudgeConfig:
+    """A generative judge (an LLM judge, verl's GenRM): a frozen model served by a vLLM engine of its own in an actor
+    stage (stages/judge.py), the judge's prompt and the reading of its verdict from the user's file. verl calls its
+    GenRM from the custom reward function; here the judge is a stage and its score reaches the function in
+    extra_info['reward_scores']['judge'] (or, alone, is the reward)."""
+
+    enable: bool = False
+    """Judge every response."""
+    model_path: str = ""
+    """HF model directory of the judge (a causal LM and its tokenizer); empty: the policy's starting weights (the
+    warm start's, when there is one). Weight syncs never reach it."""
+    path: str = ""
+    """Python file (also file://, pkg://) defining judge_prompt(prompt, response, ground_truth, data_source) -> str
+    or chat messages, and judge_score(verdict, prompt, response, ground_truth, data_source) -> number."""
+    max_tokens: int = 64
+    """Tokens of a verdict."""
+    temperature: float = 0.0
+    """The judge's sampling temperature; 0: greedy, the same verdict for the same prompt."""
+    max_model_len: int = 512
+    """The judge engine's context: its prompt and verdict together."""
+    kv_cache_gb: int = 1
+    """The judge engine's KV cache on a CPU (rollout.kv_cache_gb's meaning)."""
+    num_replicas: int = 1
+    """Actors of the judge stage, each with an engine."""
+    gpus_per_replica: float = 1.0
+    """GPUs each replica asks Ray for on a cluster that has GPUs; none on a CPU cluster."""
 
 
 @dataclass
@@ -141,12 +171,15 @@ class RewardConfig:
     """A user's scoring function (verl's older top-level `custom_reward_function`)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """The discriminative reward model (verl's keys)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The generative judge."""
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
     """The remote reward service."""
     on_error: OnError = "mask"
     """What a sample whose reward failed becomes: 'zero' (reward 0, trained as a wrong answer: it biases its group's
     baseline), 'retry' (each failed source is called again, up to max_attempts calls, then masked), 'mask' (left out
-    of the loss and of its group's statistics) or 'drop_group' (its whole group left out of the loss)."""
+    of the loss and of its group's statistics) or 'drop_group' (its whole group left out, and its place refilled by
+    another prompt through the gate: needs rollout.prompts_per_call=1)."""
     max_attempts: int = 3
     """on_error=retry: calls of a failed source per sample, the first included."""
     retry_backoff_s: float = 1.0
@@ -155,7 +188,10 @@ class RewardConfig:
 
 def reward_checks(reward: RewardConfig, custom_function: bool, score_in_engine: bool | None) -> list[tuple[bool, str]]:
     """The cross-field rules of `reward.*`: (holds, message naming the key and the fix)."""
-    rm, remote = reward.reward_model, reward.remote
+    rm, remote, judge = reward.reward_model, reward.remote, reward.judge
+    scorers = [
+        name for name, on in (("reward_model", rm.enable), ("judge", judge.enable), ("remote", remote.url)) if on
+    ]
     return [
         (not rm.enable or bool(rm.model_path), "reward.reward_model.enable needs reward.reward_model.model_path"),
         (rm.micro_batch_size_per_gpu >= 1, "reward.reward_model.micro_batch_size_per_gpu must be >= 1"),
@@ -176,8 +212,22 @@ def reward_checks(reward: RewardConfig, custom_function: bool, score_in_engine: 
         (remote.max_retries >= 0, "reward.remote.max_retries must be >= 0 (0: one attempt)"),
         (remote.backoff_s >= 0, "reward.remote.backoff_s must be >= 0"),
         (
-            custom_function or not (rm.enable and remote.url),
-            "reward.reward_model and reward.remote.url both give a score and nothing combines them: set "
+            not judge.enable or bool(judge.path),
+            "reward.judge.enable needs reward.judge.path (judge_prompt, judge_score)",
+        ),
+        (judge.max_tokens >= 1, "reward.judge.max_tokens must be >= 1"),
+        (judge.max_model_len > judge.max_tokens, "reward.judge.max_model_len must exceed reward.judge.max_tokens"),
+        (judge.temperature >= 0, "reward.judge.temperature must be >= 0 (0: greedy)"),
+        (judge.num_replicas >= 1, "reward.judge.num_replicas must be >= 1"),
+        (judge.gpus_per_replica >= 0, "reward.judge.gpus_per_replica must be >= 0"),
+        (
+            not (judge.enable and score_in_engine),
+            "rollout.score_in_engine leaves no place for the judge's stage between generation and scoring: set "
+            "rollout.score_in_engine=false (or leave it null), or reward.judge.enable=false",
+        ),
+        (
+            custom_function or len(scorers) < 2,
+            f"{' and '.join(scorers)} each give a score and nothing combines them: set "
             "reward.custom_reward_function.path to a function that reads extra_info['reward_scores'], or use one "
             "of them",
         ),
@@ -194,7 +244,28 @@ def check_reward_sources(reward: RewardConfig) -> None:
     from stages.reward_model import check_model_dir
 
     problem = check_model_dir(reward.reward_model.model_path) if reward.reward_model.enable else None
+    if problem is None and reward.judge.enable:
+        problem = check_judge(reward.judge)
     if problem is None and reward.remote.url:
         problem = check_reachable(reward.remote.url, min(reward.remote.timeout_s, 10.0))
     if problem:
         raise ConfigError(problem)
+
+
+def check_judge(judge: JudgeConfig) -> str | None:
+    """None if the judge's file defines both functions and its model directory (when named) holds a model and a
+    tokenizer, else why not."""
+    from stages.judge import judge_functions
+
+    try:
+        judge_functions(judge.path)
+    except ValueError as err:
+        return str(err)
+    if not judge.model_path:
+        return None
+    directory = Path(judge.model_path).expanduser()
+    if not (directory / "config.json").is_file():
+        return f"reward.judge.model_path {judge.model_path!r} has no config.json: point it at an HF model directory"
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return f"reward.judge.model_path {judge.model_path!r} has no tokenizer: save the judge's tokenizer beside it"
+    return None

@@ -471,9 +471,9 @@ class RunConfig:
         )
 
     def scores_in_engine(self) -> bool:
-        """rollout.score_in_engine resolved: on unless set false or a model (the reference, a reward model) needs a
-        stage of its own between generation and scoring."""
-        models = self.uses_reference() or self.reward.reward_model.enable
+        """rollout.score_in_engine resolved: on unless set false or a model (the reference, a reward model, a judge)
+        needs a stage of its own between generation and scoring."""
+        models = self.uses_reference() or self.reward.reward_model.enable or self.reward.judge.enable
         return self.rollout.score_in_engine is not False and not models
 
 

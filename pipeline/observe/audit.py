@@ -157,7 +157,8 @@ def audit(run_dir: str | Path) -> AuditReport:
     ]
     if "routed_experts" in samples.column_names and samples["routed_experts"].null_count < samples.num_rows:
         report.checks.append(route_rows(samples, route_width(logs.run_dir)))
-    if logs.filtered is not None or logs.cfg.algorithm.get("filter_groups", {}).get("enable", False):
+    refilled = logs.cfg.get("reward", {}).get("on_error") == "drop_group"
+    if logs.filtered is not None or refilled or logs.cfg.algorithm.get("filter_groups", {}).get("enable", False):
         report.checks.append(filtered_groups(logs.filtered, consumed, samples, logs.cfg))
     failures = reward_failures(samples)
     if failures is not None:

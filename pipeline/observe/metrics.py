@@ -102,12 +102,15 @@ def step_metrics(
 
 def filter_metrics(batch, clock_stats: dict[str, Any]) -> dict[str, float]:
     """Dynamic sampling's account of the step (nothing when it is off): the groups it left out while the step filled,
-    the groups trained, and groups generated per group trained; under verl's V1 name too, which counts groups."""
+    the groups trained, and groups generated per group trained; under verl's V1 name too, which counts groups. With
+    reward.on_error=drop_group, the dropped groups left out (and refilled) while it filled."""
+    dropped = batch.dropped_groups
+    refill = {} if dropped is None else {"reward/dropped_groups_refilled": float(dropped)}
     filtered = batch.filtered_groups
     if filtered is None:
-        return {}
+        return refill
     kept = len(batch.groups)
-    return {
+    return refill | {
         "filter_groups/filtered_groups": float(filtered),
         "filter_groups/kept_groups": float(kept),
         "filter_groups/generated_per_trained": (filtered + kept) / kept,

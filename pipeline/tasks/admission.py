@@ -7,7 +7,7 @@ resumed run (`skip`: the ids its checkpoint's ledger holds) lays out the same or
 
 Nothing here grows with total_rollout_steps: an epoch's permutation is drawn when the layout reaches it, and rows are
 validated and tokenized (`PromptFile.checked`) a chunk at a time, when the chunk is read. What the driver holds is
-the prompt file (its needed columns) and the ids to skip. For Ray Data's read task (pipeline/stream.py),
+the prompt file (its needed columns) and the ids to skip. For Ray Data's read task (pipeline/tasks/prompt_input.py),
 `super_chunks` joins whole blocks into pieces of a given byte size and `paced` draws the next piece only as the gate
 admits the previous ones.
 """

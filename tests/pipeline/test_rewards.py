@@ -1,6 +1,8 @@
 """Reward sources beyond a rule, in the real stream: a discriminative reward model trained here scores in its own
-actor stage and the policy learns against it; a real HTTP reward service on loopback, started by the test, answers
-with 500s, timeouts and slow answers, and every sample is scored or accounted for, retries counted, the audit passing.
+actor stage and the policy learns against it; a generative judge (the policy's starting weights, served by a vLLM
+engine of its own) judges every response, and the groups its parser fails on are dropped and refilled through the
+gate; a real HTTP reward service on loopback, started by the test, answers with 500s, timeouts and slow answers, and
+every sample is scored or accounted for, retries counted, the audit passing.
 
 The reward model's run is the default job (staleness 0.5, no partial rollout) with CISPO's policy loss: it also
 carries the checks of verl's async mode with stale samples (tests/pipeline/modes.py) and serial validation (verl's
@@ -12,16 +14,19 @@ test_pull.py's.
 import json
 import os
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from pipeline.config import CONF_DIR
 from pipeline.tasks.embedded import build_embedded
 from pipeline.tasks.embedded_rm import build_reward_model
 from pipeline.tasks.warmstart import cached_warm_start
+from stages.user_code import load_user_module
 from stages.verifiers import score_reverse
 from tests.pipeline.modes import check_mode
 from tests.reward_server import Answer, RewardServer
@@ -47,15 +52,20 @@ def tenths(values: list[float]) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def reward_model(tmp_path_factory):
-    """The embedded policy warm-started as a run warm-starts it (the session's cache: the runs below load it), and a
-    reward model trained from it to predict the task's rule score."""
+def starting_policy(tmp_path_factory) -> Path:
+    """The embedded policy warm-started as a run warm-starts it (the session's cache: the runs below load it)."""
     root = tmp_path_factory.mktemp("policy")
     task = build_embedded(root, 2000, seed=0)
     cache = f"{os.environ['ASYNCRL_CACHE_DIR']}/warm_start"
     cached_warm_start(task.model_dir, task.data_file, 500, 2e-3, 0, 0.5, cache)
+    return task.model_dir
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory, starting_policy):
+    """A reward model trained from the starting policy to predict the task's rule score."""
     out = tmp_path_factory.mktemp("rm")
-    fit = build_reward_model(out, task.model_dir, steps=RM_STEPS, threads=2)  # the fit has the machine to itself
+    fit = build_reward_model(out, starting_policy, steps=RM_STEPS, threads=2)  # the fit has the machine to itself
     assert fit["pair_agreement"] > 0.8, fit  # it orders two answers to one prompt as the rule does
     return out
 
@@ -126,6 +136,110 @@ def assert_serial_validation(run_dir: Path, versions: tuple[int, int, int]) -> N
         assert not inside, (version, begin, end, inside[:3])
     begin, end = windows[versions[1]]
     assert min(starts) < begin and max(starts) > end
+
+
+# The judge answers the task itself; its answer is the reference the response is scored against, and its parser
+# fails on about one response in forty (a group holding one is dropped, then refilled).
+JUDGE_FILE = """
+import zlib
+
+from stages.user_code import load_user_module
+from stages.verifiers import score_reverse
+
+
+def judge_prompt(prompt, response, ground_truth, data_source):
+    return prompt
+
+
+def judge_score(verdict, prompt, response, ground_truth, data_source):
+    if zlib.crc32((prompt + response).encode()) % 40 == 0:
+        raise ValueError("no verdict found")
+    return score_reverse(response, verdict)
+"""
+
+
+@pytest.mark.slow
+def test_a_judge_scores_in_the_stream_and_groups_it_fails_on_are_refilled(run_job, starting_policy, tmp_path):
+    (tmp_path / "judge.py").write_text(JUDGE_FILE)
+    summary, run_dir = run_job(
+        "rollout.total_rollout_steps=96",
+        "reward.judge.enable=true",
+        f"reward.judge.path={tmp_path / 'judge.py'}",
+        "reward.judge.max_tokens=32",
+        "reward.judge.max_model_len=128",
+        "reward.on_error=drop_group",
+        "rollout.prompts_per_call=1",  # a dropped group's replacement comes through the gate one prompt at a time
+        "rollout.calls_in_flight=8",
+        "trainer.monitor=jsonl",
+        name="judge",
+    )
+    assert summary["audit_ok"], (run_dir / "audit.txt").read_text()
+    rows = samples(
+        run_dir,
+        [
+            "sample_id",
+            "prompt_id",
+            "prompt_text",
+            "response_text",
+            "reward",
+            "reward_sources",
+            "reward_status",
+            "reward_error",
+        ],
+    )
+    judge = load_user_module(str(tmp_path / "judge.py"), "test")
+    verdicts: dict[str, set[str]] = {}
+    for row in rows:
+        (name, rec), *others = row["reward_sources"]
+        assert name == "judge" and not others and rec["output"] is not None and rec["latency_s"] > 0
+        verdicts.setdefault(row["prompt_text"], set()).add(rec["output"])
+        try:  # the score is the user's parser's reading of the verdict on record
+            expected, error = judge.judge_score(rec["output"], row["prompt_text"], row["response_text"], "", ""), None
+        except ValueError as err:
+            expected, error = None, str(err)
+        if error:
+            assert rec["score"] is None and "judge_score raised ValueError: no verdict found" in rec["error"]
+            assert row["reward_status"] == "dropped" and row["reward_error"].startswith("judge: ")
+        else:
+            assert rec["error"] is None and rec["score"] == pytest.approx(expected)
+    # greedy and frozen: one verdict per judge prompt, the starting weights' own greedy answer (computed here with
+    # transformers, which may break a near-tie the other way on a token: 90 % of the prompts, not all)
+    assert all(len(v) == 1 for v in verdicts.values())
+    agree = [
+        next(iter(v)) == greedy
+        for v, greedy in zip(verdicts.values(), hf_greedy(starting_policy, verdicts), strict=True)
+    ]
+    assert sum(agree) >= 0.9 * len(agree), f"{sum(agree)} of {len(agree)} verdicts are the starting policy's"
+    # every dropped group left out whole and refilled: full steps, none of it trained
+    left_out = pq.read_table(run_dir / "filtered").to_pylist()
+    dropped = {r["prompt_id"] for r in rows if r["reward_status"] == "dropped"}
+    assert dropped and {r["prompt_id"] for r in left_out} == dropped
+    assert {r["filtered_reason"] for r in left_out} == {"reward_failed"}
+    assert not dropped & {r["prompt_id"] for r in pads.dataset(run_dir / "consumed").to_table().to_pylist()}
+    consumed = pads.dataset(run_dir / "consumed").to_table(columns=["prompt_id", "consumed_step"]).to_pylist()
+    per_step = Counter(step for _, step in {(r["prompt_id"], r["consumed_step"]) for r in consumed})
+    assert set(per_step.values()) == {8} and summary["steps"] == len(per_step) >= 8
+    refilled = sum(m.get("reward/dropped_groups_refilled", 0) for m in metrics(run_dir))
+    after_last = sum(
+        1 for pid in dropped if next(r for r in left_out if r["prompt_id"] == pid)["filtered_step"] > summary["steps"]
+    )
+    assert refilled + after_last == len(dropped)
+    assert "dropped for a failed reward and refilled" in (run_dir / "audit.txt").read_text()
+
+
+def hf_greedy(model_dir: Path, prompts) -> list[str]:
+    """The model's greedy answer to each prompt, with transformers, as the judge's engine reads and decodes it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        with torch.inference_mode():
+            tokens = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :]
+        out.append(tokenizer.decode(tokens, skip_special_tokens=True))
+    return out
 
 
 def faults(payload: dict, nth: int) -> Answer:

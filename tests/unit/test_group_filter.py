@@ -1,6 +1,7 @@
-"""DAPO's dynamic sampling: the group decision (stages/group_filter.py), the clock's refund of a filtered prompt's
-permit (pipeline/clock.py), the sink leaving filtered groups out and logging them (stages/sink.py), and the audit's
-rule on the filter log (pipeline/observe/audit_filter.py)."""
+"""DAPO's dynamic sampling and the refill of groups reward.on_error=drop_group drops: the group decision
+(stages/group_filter.py), the clock's refund of a filtered prompt's permit (pipeline/clock.py), the sink leaving
+filtered and dropped groups out and logging them (stages/sink.py), and the audit's rule on the filter log
+(pipeline/observe/audit_filter.py)."""
 
 import asyncio
 import json
@@ -110,7 +111,14 @@ def test_the_audit_fails_a_filter_log_that_lies(tmp_path):
     def log(rows):
         return pa.Table.from_pylist(
             [
-                {"sample_id": s, "prompt_id": s[0], "filtered_version": 0, "filtered_step": 1, "filtered_value": v}
+                {
+                    "sample_id": s,
+                    "prompt_id": s[0],
+                    "filtered_version": 0,
+                    "filtered_step": 1,
+                    "filtered_value": v,
+                    "filtered_reason": "flat",
+                }
                 for s, v in rows
             ],
             schema=FILTERED_SCHEMA,
@@ -122,13 +130,73 @@ def test_the_audit_fails_a_filter_log_that_lies(tmp_path):
     trained_c = pa.table({"sample_id": ["b/0", "b/1", "c/0", "c/1"], "prompt_id": ["b", "b", "c", "c"]})
     for bad, why in [
         (log([("a/0", 1.0)]), "not its whole group"),
-        (log([("b/0", 0.0), ("b/1", 0.0)]), "filtered and trained"),
+        (log([("b/0", 0.0), ("b/1", 0.0)]), "left out and trained"),
         (log([("a/0", 0.0), ("a/1", 0.0), ("c/0", 0.0), ("c/1", 0.0)]), "filtered at 0.0"),
     ]:
         check = filtered_groups(bad, consumed, samples, cfg)
         assert not check.ok and why in check.detail, check.detail
     check = filtered_groups(honest, trained_c, samples, cfg)
     assert not check.ok and "c (trained, its seq_reward the same" in check.detail
+
+
+def failed(pid: str, rewards: list[float]) -> pa.Table:
+    """A group the reward step dropped (reward.on_error=drop_group): every member 'dropped'."""
+    table = scored(pid, rewards)
+    i = table.schema.get_field_index("reward_status")
+    return table.set_column(i, "reward_status", pa.array(["dropped"] * N))
+
+
+def test_the_sink_refills_dropped_groups_and_logs_them_with_their_reason(tmp_path):
+    told: list[str] = []
+    refill = DynamicSampling(None, lambda p: told.extend(p) or 5, str(tmp_path / "f"), drop_failed=True)
+    blocks = [failed("a", [0, 1]), scored("b", [1, 1]), failed("c", [0, 0]), scored("d", [0, 1])]
+    sink = TrainingSink(iter(blocks), StalenessBudget(0.5, 1, 1, 2), N, str(tmp_path / "c"), lambda v: 0, None, refill)
+    step = sink.next_step(version=0, steps_left_after_this=0)
+    # a flat group trains without a filter; the dropped ones are out, the clock told so that it admits others
+    assert ids(step) == ["b", "d"] and told == ["a", "c"]
+    assert step.dropped_groups == 2 and step.filtered_groups is None
+    sink.record(step, 0, 1)
+    log = pq.read_table(tmp_path / "f").to_pylist()
+    assert {(r["prompt_id"], r["filtered_reason"], r["filtered_value"], r["filtered_step"]) for r in log} == {
+        ("a", "reward_failed", None, 1),
+        ("c", "reward_failed", None, 1),
+    }
+
+
+def test_the_audit_fails_a_dropped_group_that_was_trained_or_never_failed():
+    cfg = OmegaConf.create({"algorithm": {}, "rollout": {"n": N}, "reward": {"on_error": "drop_group"}})
+    samples = pa.concat_tables([failed("a", [0, 1]), scored("b", [0, 1]), scored("c", [1, 0])])
+    consumed = pa.table({"sample_id": ["b/0", "b/1"], "prompt_id": ["b", "b"]})
+
+    def log(rows, reason="reward_failed"):
+        return pa.Table.from_pylist(
+            [
+                {
+                    "sample_id": s,
+                    "prompt_id": s[0],
+                    "filtered_version": 0,
+                    "filtered_step": 1,
+                    "filtered_value": None,
+                    "filtered_reason": reason,
+                }
+                for s in rows
+            ],
+            schema=FILTERED_SCHEMA,
+        )
+
+    honest = log(["a/0", "a/1"])
+    check = filtered_groups(honest, consumed, samples, cfg)
+    assert check.ok and "1 dropped for a failed reward and refilled" in check.detail, check.detail
+    trained_a = pa.table({"sample_id": ["b/0", "b/1", "a/0", "a/1"], "prompt_id": ["b", "b", "a", "a"]})
+    not_drop = OmegaConf.create({"algorithm": {}, "rollout": {"n": N}, "reward": {"on_error": "mask"}})
+    for filter_log, trained, run_cfg, why in [
+        (None, trained_a, cfg, "a (trained, a group the reward step dropped"),
+        (log(["c/0", "c/1"]), consumed, cfg, "c (dropped for a failed reward, its samples' statuses"),
+        (honest, consumed, not_drop, "whose reward.on_error is not drop_group"),
+        (log(["a/0", "a/1"], reason="flat"), consumed, cfg, "by a run whose algorithm.filter_groups is off"),
+    ]:
+        check = filtered_groups(filter_log, trained, samples, run_cfg)
+        assert not check.ok and why in check.detail, check.detail
 
 
 def test_dynamic_sampling_needs_its_metric_and_one_prompt_per_call():
@@ -139,6 +207,8 @@ def test_dynamic_sampling_needs_its_metric_and_one_prompt_per_call():
         load_config(None, on)
     with pytest.raises(ConfigError, match="set rollout.prompts_per_call=1"):
         load_config(None, [*on[:1], "algorithm.filter_groups.metric=acc", "rollout.prompts_per_call=2"])
+    with pytest.raises(ConfigError, match="drop_group refills a dropped group's place.*prompts_per_call=1"):
+        load_config(None, ["reward.on_error=drop_group", "rollout.prompts_per_call=2"])
     cfg = load_config(
         None, [*on, "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=3"]
     )
