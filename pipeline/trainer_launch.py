@@ -25,6 +25,7 @@ from pipeline.config.placement import (
     trainer_rank_gpus,
     trainer_ranks,
 )
+from stages.advantage.otb import BASELINES
 from stages.trainer.ranks import RankPlacement
 from stages.trainer.settings import PolicySettings
 
@@ -128,4 +129,6 @@ def _policy(ctx: RunContext) -> PolicySettings:
     if policy.loss_scale_factor is None:
         policy = dataclasses.replace(policy, loss_scale_factor=cfg.data.max_response_length)
     steps = cfg.rollout.total_rollout_steps // (cfg.async_training.require_batches * cfg.actor.ppo_mini_batch_size)
-    return dataclasses.replace(policy, optim=dataclasses.replace(policy.optim, total_training_steps=steps))
+    baseline = BASELINES.get(cfg.algorithm.adv_estimator, "")
+    optim = dataclasses.replace(policy.optim, total_training_steps=steps)
+    return dataclasses.replace(policy, optim=optim, trainer_baseline=baseline)

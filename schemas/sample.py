@@ -165,7 +165,8 @@ ADVANTAGE_COLUMNS = (
         "token_advantages",
         pa.list_(pa.float32()),
         "advantage of each response token (length of response_ids; 0 where response_mask is 0); what the trainer "
-        "uses. Estimators that whiten over the training step (reinforce_plus_plus*) log it before the whitening",
+        "uses. Estimators that whiten over the training step (reinforce_plus_plus*) log it before the whitening; "
+        "the optimal-token-baseline pair logs the returns, from which the trainer subtracts its baseline",
     ),
 )
 

@@ -245,7 +245,21 @@ def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
 
     recompute = cfg.async_training.compute_prox_log_prob or not cfg.async_training.use_rollout_log_probs
     error = correction_mode_error(cfg.algorithm.rollout_correction, recompute, cfg.actor.policy_loss.loss_mode)
-    return [(error is None, error or "")]
+    otb = cfg.algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline")
+    return [
+        (error is None, error or ""),
+        (
+            not otb or recompute,
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} takes sum pi^2 from the trainer's proximal "
+            "logprob pass, which bypass mode skips (verl asserts the same): set "
+            "algorithm.rollout_correction.bypass_mode=false",
+        ),
+        (
+            not otb or cfg.trainer.backend == "torch",
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} is built for trainer.backend=torch (its sum pi^2 "
+            "over a tensor-parallel vocabulary is not in the Megatron trainer yet)",
+        ),
+    ]
 
 
 def _fsdp_checks(cfg: RunConfig) -> list[tuple[bool, str]]:

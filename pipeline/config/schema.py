@@ -79,8 +79,6 @@ AdvEstimator = Literal[
 REFUSED_ESTIMATORS = {
     "gae": "a critic (a value model trained beside the actor)",
     "remax": "a greedy baseline rollout of every prompt beside its sampled responses",
-    "optimal_token_baseline": "the trainer's sum of squared token probabilities at every response token",
-    "tir_optimal_token_baseline": "the trainer's sum of squared token probabilities at every response token",
 }
 # verl's KL estimators (stages/trainer/kl.py's KL_TYPES_ALL; written out so that loading a config imports no torch).
 KLType = Literal[
@@ -159,8 +157,8 @@ class AlgorithmConfig:
         if self.adv_estimator in REFUSED_ESTIMATORS:
             raise ValueError(
                 f"algorithm.adv_estimator={self.adv_estimator} needs {REFUSED_ESTIMATORS[self.adv_estimator]}, "
-                "which asyncrl does not have: use grpo, rloo, reinforce_plus_plus(_baseline), grpo_passk, opo, gpg or "
-                "gdpo"
+                "which asyncrl does not have: use grpo, rloo, reinforce_plus_plus(_baseline), grpo_passk, opo, gpg, "
+                "gdpo or (tir_)optimal_token_baseline"
             )
         keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
         if weights is not None and len(weights) != len(keys or []):

@@ -44,14 +44,20 @@ def summarize(run_dir: Path, report) -> dict[str, Any]:
 
 
 def _filtered(run_dir: Path) -> dict[str, Any]:
-    """Dynamic sampling's total: the groups it left out (samples of the filter log / group size), if it ran."""
+    """The groups the sink left out and refilled (the filter log), by why: dynamic sampling's flat ones
+    (groups_filtered) and the ones reward.on_error=drop_group dropped (groups_dropped), if there were any."""
     path = run_dir / "filtered"
     if not path.is_dir():
         return {}
     import pyarrow.dataset as pds
 
-    prompts = pds.dataset(str(path), format="parquet").to_table(columns=["prompt_id"])["prompt_id"]
-    return {"groups_filtered": len(set(prompts.to_pylist()))}
+    table = pds.dataset(str(path), format="parquet").to_table()
+    reasons = table["filtered_reason"].to_pylist() if "filtered_reason" in table.column_names else None
+    by_reason: dict[str, set] = {"flat": set(), "reward_failed": set()}
+    for i, pid in enumerate(table["prompt_id"].to_pylist()):
+        by_reason.setdefault(reasons[i] if reasons else "flat", set()).add(pid)
+    out = {"groups_filtered": len(by_reason["flat"])}
+    return out | ({"groups_dropped": len(by_reason["reward_failed"])} if by_reason["reward_failed"] else {})
 
 
 def _validation(run_dir: Path) -> dict[str, Any]:
@@ -76,7 +82,9 @@ def format_summary(s: dict[str, Any], report) -> str:
             "== asyncrl run summary ==",
             f"steps {s['steps']}, samples consumed {s['samples_consumed']}, prompts admitted {s['prompts_admitted']} "
             f"({s['prompts_in_flight_at_end']} still in flight at the end"
-            + (f", {s['groups_filtered']} groups filtered by dynamic sampling)" if "groups_filtered" in s else ")"),
+            + (f", {s['groups_filtered']} groups filtered by dynamic sampling" if s.get("groups_filtered") else "")
+            + (f", {s['groups_dropped']} dropped groups refilled" if s.get("groups_dropped") else "")
+            + ")",
             f"reward {s['reward_first']:.3f} (first 10% of steps) -> {s['reward_last']:.3f} (last 10%)",
             f"max lag {s['max_lag']} (bound {s['lag_bound']}), syncs {s['syncs']}, "
             f"trainer blocked {s['sync_mean_s']:.3f}s per sync, trainer idle {s['trainer_idle_ratio']:.2f}, "

@@ -13,9 +13,14 @@ share: the token-level rewards, the KL in the reward, the groups, the output col
 | opo                           | OPOAdvantage                        | group (length-weighted baseline)        |
 | gpg                           | GPGAdvantage                        | group, scaled over the step             |
 | gdpo                          | GDPOAdvantage                       | group per reward key, whitened over step |
+| optimal_token_baseline        | OptimalTokenBaselineAdvantage       | per token over the group; the trainer   |
+|                               | (otb.py)                            | subtracts the baseline                  |
+| tir_optimal_token_baseline    | TIROptimalTokenBaselineAdvantage    | the same over trained-token indices     |
 
 verl's other estimators need what the stream does not have (REFUSED_ESTIMATORS says what): a critic (gae), a greedy
-baseline rollout (remax), the trainer's sum of squared token probabilities (the optimal-token-baseline pair).
+baseline rollout (remax). A class with a `trainer_baseline` (the optimal-token-baseline pair) writes the returns, and
+the trainer subtracts that baseline after its proximal pass, which has the sum of squared token probabilities the
+baseline needs.
 
 The wiring picks the class from ESTIMATORS unless the config names one with `stages.advantage._target_` (a user's
 own estimator wins over `algorithm.adv_estimator`). A class with `whiten_over_step = True` has the training sink
@@ -31,6 +36,7 @@ from stages.advantage.gpg import GPGAdvantage
 from stages.advantage.grpo import GRPOAdvantage
 from stages.advantage.grpo_passk import GRPOPassKAdvantage
 from stages.advantage.opo import OPOAdvantage
+from stages.advantage.otb import OptimalTokenBaselineAdvantage, TIROptimalTokenBaselineAdvantage
 from stages.advantage.reinforce_pp import ReinforcePlusPlusAdvantage
 from stages.advantage.reinforce_pp_baseline import ReinforcePlusPlusBaselineAdvantage
 from stages.advantage.rloo import RLOOAdvantage
@@ -48,6 +54,8 @@ ESTIMATORS = {
     "opo": "stages.advantage.OPOAdvantage",
     "gpg": "stages.advantage.GPGAdvantage",
     "gdpo": "stages.advantage.GDPOAdvantage",
+    "optimal_token_baseline": "stages.advantage.OptimalTokenBaselineAdvantage",
+    "tir_optimal_token_baseline": "stages.advantage.TIROptimalTokenBaselineAdvantage",
 }
 
 __all__ = [
@@ -58,10 +66,12 @@ __all__ = [
     "GRPOAdvantage",
     "GRPOPassKAdvantage",
     "OPOAdvantage",
+    "OptimalTokenBaselineAdvantage",
     "OutcomeAdvantage",
     "RLOOAdvantage",
     "RLOOVectorizedAdvantage",
     "ReinforcePlusPlusAdvantage",
     "ReinforcePlusPlusBaselineAdvantage",
+    "TIROptimalTokenBaselineAdvantage",
     "whiten_step",
 ]

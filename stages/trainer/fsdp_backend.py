@@ -36,7 +36,14 @@ from stages.trainer.micro_batches import MicroBatching, common_passes
 from stages.trainer.precision import MixedPrecision
 from stages.trainer.ranks import RankPlacement, free_port
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings
-from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
+from stages.trainer.step import (
+    ROUTES_COLUMN,
+    Minibatch,
+    StepTotals,
+    baseline_minibatches,
+    check_routes,
+    split_sum_pi2,
+)
 from stages.trainer.torch_backend import TorchTrainer, copy_side_files, upload
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta
@@ -120,8 +127,12 @@ class FSDPTrainer(SendsWeights):
         corrections: list[tuple[list | None, torch.Tensor | None]] = [(None, None)] * n
         correction_metrics: dict[str, float] = {}
         if self.rank.recompute:  # decoupled PPO: the anchors are the weights at the start of the step
-            anchors = self._logprobs([_routed(mb, self.policy) for mb in minibatches], parts)
+            spi = bool(self.policy.trainer_baseline)
+            anchors = self._logprobs([_routed(mb, self.policy) for mb in minibatches], parts, spi)
+            anchors, pi2 = split_sum_pi2(anchors) if spi else (anchors, None)
             corrections, correction_metrics = correct_minibatches(minibatches, anchors, self.correction)
+            if pi2 is not None:  # the optimal token baseline, over whole mini-batches before they are shared
+                baseline_minibatches(self.policy.trainer_baseline, minibatches, anchors, pi2, corrections)
         plans: list[list[Share]] = [[] for _ in range(self.size)]
         for rows, part, anchor, (masks, weights) in zip(minibatches, parts, anchors, corrections, strict=True):
             # Checked and counted over the whole mini-batch here, before any rank starts a collective.
@@ -151,14 +162,15 @@ class FSDPTrainer(SendsWeights):
         tokens = row_tokens(rows)
         return common_passes(batching, [[tokens[i] for i in index] for index in part])
 
-    def _logprobs(self, batches: list[dict[str, list]], parts: list[list[list[int]]]) -> list[list]:
-        """Each batch's logprobs, each rank computing its part's; rows back in the batches' order."""
+    def _logprobs(self, batches: list[dict[str, list]], parts: list[list[list[int]]], sum_pi2: bool = False) -> list:
+        """Each batch's logprobs (with sum pi^2: (logprobs, sum pi^2) rows), each rank computing its part's; rows
+        back in the batches' order."""
         shares = [[] for _ in range(self.size)]
         for rows, part in zip(batches, parts, strict=True):
             passes = self._passes(rows, part, self.rank.log_prob_batching)
             for r, index in enumerate(part):
                 shares[r].append((take_rows(rows, index), passes))
-        results = self._each("share_logprobs", [(s,) for s in shares])
+        results = self._each("share_logprobs", [(s, sum_pi2) for s in shares])
         out = []
         for b, (rows, part) in enumerate(zip(batches, parts, strict=True)):
             merged: list = [None] * len(rows["response_ids"])

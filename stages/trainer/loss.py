@@ -88,7 +88,8 @@ class TokenForward:
     routes_changed: float = 0.0  # of them, those whose replayed experts differ from the model's own top-k
     # (B, S) per context token: MoE layers replayed, and of them those changed (the two counts above, per token)
     route_maps: tuple[torch.Tensor, torch.Tensor] | None = None
+    sum_pi2: torch.Tensor | None = None  # (B, T) sum over the vocabulary of each token's squared probabilities
 
 
-# (prompts, responses, entropy: bool = False[, routes: (B, S, layers * k) LongTensor]) -> TokenForward
+# (prompts, responses, entropy: bool = False[, routes: (B, S, layers * k) LongTensor][, sum_pi2: bool]) -> TokenForward
 TokenLogprobs = Callable[..., TokenForward]

@@ -223,11 +223,13 @@ def packed_forward(
     replay=None,
     routes: torch.Tensor | None = None,
     precision: contextlib.AbstractContextManager | None = None,
+    sum_pi2: bool = False,
 ) -> TokenForward:
     """A transformers causal LM's response-token logprobs (B, T), and their entropy when asked, from one packed
     forward on `device`; `replay` (stages/trainer/hf_router_replay.py) forces `routes` (B, S, layers * k) when
     given. `precision`: the context the model's forward runs in (stages/trainer/precision.py's autocast); the
-    logprobs and entropy are computed from float32 logits after it."""
+    logprobs and entropy are computed from float32 logits after it. `sum_pi2`: also each token's sum of squared
+    probabilities (the optimal token baseline's, stages/advantage/otb.py)."""
     packed = pack(prompts, responses, device)
     packed_routes = None if routes is None else packed.pack_context(routes.to(device))
     forcing = replay.forcing(packed_routes) if replay is not None else contextlib.nullcontext()
@@ -237,6 +239,8 @@ def packed_forward(
     logp = torch.log_softmax(logits, -1).gather(-1, packed.targets[:, None]).squeeze(-1)
     ent = packed.spread(entropy_from_logits(logits, grad=entropy_grad)) if entropy else None
     out = TokenForward(packed.spread(logp), packed.mask(), ent)
+    if sum_pi2:
+        out.sum_pi2 = packed.spread(torch.softmax(logits, -1).pow(2).sum(-1))
     if replay is not None and routes is not None:
         maps = replay.maps()
         out.routes_replayed, out.routes_changed = replay.replayed, replay.changed

@@ -324,19 +324,40 @@ def micro_batched_logprobs(
     batching: MicroBatching,
     routes: list | None = None,
     at_least: int = 1,
-) -> list[list[float]]:
+    sum_pi2: bool = False,
+) -> list:
     """Each response's token logprobs, computed a micro-batch at a time (cut by `batching`, `at_least` of them
     with a token budget) by a backend's `token_logprobs`: the proximal anchors of every backend. `routes`: the
-    rows' routed_experts, replayed (verl's R3 replays them in this pass too); None routes as the model does."""
+    rows' routed_experts, replayed (verl's R3 replays them in this pass too); None routes as the model does.
+    `sum_pi2`: each row as (logprobs, sum pi^2) from the same forward (split_sum_pi2 separates them)."""
     out: list = [None] * len(responses)
     rows = {"prompt_ids": prompts, "response_ids": responses}
     for index in batching.cut(row_tokens(rows), at_least):
         p, r = pick(prompts, index), pick(responses, index)
         replay = {} if routes is None else {"routes": pad_routes(p, r, pick(routes, index))}
-        logp = token_logprobs(p, r, **replay).logp
-        for i, x, row in zip(index, r, logp, strict=True):
-            out[i] = row[: len(x)].tolist()
+        forward = token_logprobs(p, r, **replay, **({"sum_pi2": True} if sum_pi2 else {}))
+        for j, (i, x) in enumerate(zip(index, r, strict=True)):
+            logp = forward.logp[j, : len(x)].tolist()
+            out[i] = (logp, forward.sum_pi2[j, : len(x)].tolist()) if sum_pi2 else logp
     return out
+
+
+def split_sum_pi2(anchors: list[list]) -> tuple[list[list], list[list]]:
+    """Per mini-batch rows of (logprobs, sum pi^2) as two lists of mini-batches of rows."""
+    return [[row[0] for row in mb] for mb in anchors], [[row[1] for row in mb] for mb in anchors]
+
+
+def baseline_minibatches(kind: str, minibatches: list, anchors: list, pi2: list, corrections: list) -> None:
+    """The optimal token baseline's half in the trainer (stages/advantage/otb.py): each mini-batch's
+    token_advantages, the stream's returns, become returns minus the baseline, from the proximal pass's logprobs
+    and sum pi^2 and rollout correction's masks and IS weights. Groups are whole within a mini-batch."""
+    from stages.advantage.otb import subtract_baseline
+
+    for rows, anchor, spi, (masks, weights) in zip(minibatches, anchors, pi2, corrections, strict=True):
+        masks = rows["response_mask"] if masks is None else masks
+        rows["token_advantages"] = subtract_baseline(
+            kind, rows["prompt_id"], rows["token_advantages"], masks, anchor, spi, weights
+        )
 
 
 def pick(values: list, rows: Rows) -> list:

@@ -54,7 +54,15 @@ from stages.trainer.packing import packed_forward, use_packed_attention
 from stages.trainer.precision import MixedPrecision, autocast, compute_dtype, pick_device, to_dtype
 from stages.trainer.ranks import node_address
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings, correction_mode_error
-from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
+from stages.trainer.step import (
+    ROUTES_COLUMN,
+    Minibatch,
+    StepTotals,
+    baseline_minibatches,
+    check_routes,
+    micro_batched_logprobs,
+    split_sum_pi2,
+)
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta, make_sender
 
@@ -139,8 +147,14 @@ class TorchTrainer(SendsWeights):
         corrections: list[tuple[list | None, torch.Tensor | None]] = [(None, None)] * len(minibatches)
         correction_metrics: dict[str, float] = {}
         if self.recompute:  # decoupled PPO: the ratio is against the proximal policy, IS against behaviour
-            anchors = [self.logprobs(mb["prompt_ids"], mb["response_ids"], self._routes(mb)) for mb in minibatches]
+            spi = bool(self.policy.trainer_baseline)
+            anchors = [
+                self.logprobs(mb["prompt_ids"], mb["response_ids"], self._routes(mb), sum_pi2=spi) for mb in minibatches
+            ]
+            anchors, pi2 = split_sum_pi2(anchors) if spi else (anchors, None)
             corrections, correction_metrics = correct_minibatches(minibatches, anchors, self.correction)
+            if spi:  # the optimal token baseline: the trainer's half (stages/advantage/otb.py)
+                baseline_minibatches(self.policy.trainer_baseline, minibatches, anchors, pi2, corrections)
         bypass = None if self.recompute else self.correction  # the bypass_mode loss corrects inside itself
         for rows, anchor, (masks, weights) in zip(minibatches, anchors, corrections, strict=True):
             self._update(Minibatch.of(rows, self.policy, anchor, masks, weights, bypass=bypass), totals)
@@ -183,19 +197,24 @@ class TorchTrainer(SendsWeights):
         return rows[ROUTES_COLUMN]
 
     def _token_logprobs(
-        self, prompts: list, responses: list, entropy: bool = False, routes: torch.Tensor | None = None
+        self,
+        prompts: list,
+        responses: list,
+        entropy: bool = False,
+        routes: torch.Tensor | None = None,
+        sum_pi2: bool = False,
     ) -> TokenForward:
         """Logprob of each response token under the current weights, (B, T), and its distribution's entropy when
         asked (from the same logits; with a graph only when entropy_coeff puts it in the loss). `routes`:
-        (B, S, layers * k) MoE routes to replay (stages/trainer/step.py's pad_routes). Packed into one row with
-        model.use_remove_padding, else right-padded."""
+        (B, S, layers * k) MoE routes to replay (stages/trainer/step.py's pad_routes); `sum_pi2`: each token's sum
+        of squared probabilities too. Packed into one row with model.use_remove_padding, else right-padded."""
         if routes is not None and self.replay is None:
             raise ValueError("routes given to a trainer built without actor.router_replay")
         if self.execution.use_remove_padding:
             grad = self.policy.entropy_coeff != 0
             precision = autocast(self.device, self.compute_dtype)
             return packed_forward(
-                self.model, prompts, responses, self.device, entropy, grad, self.replay, routes, precision
+                self.model, prompts, responses, self.device, entropy, grad, self.replay, routes, precision, sum_pi2
             )
         seqs = [torch.tensor(np.concatenate([p, r]).astype(np.int64)) for p, r in zip(prompts, responses, strict=True)]
         ids = pad_sequence(seqs, batch_first=True, padding_value=self.pad).to(self.device)  # (B, S)
@@ -208,6 +227,7 @@ class TorchTrainer(SendsWeights):
         logp = torch.zeros(len(seqs), width, device=self.device)
         mask = torch.zeros(len(seqs), width, device=self.device)
         ent = torch.zeros(len(seqs), width, device=self.device) if entropy else None
+        spi = torch.zeros(len(seqs), width, device=self.device) if sum_pi2 else None
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
             if len(r) == 0:
                 continue
@@ -218,28 +238,32 @@ class TorchTrainer(SendsWeights):
             mask[i, : len(r)] = 1.0
             if ent is not None:
                 ent[i, : len(r)] = entropy_from_logits(step_logits, grad=self.policy.entropy_coeff != 0)
+            if spi is not None:
+                spi[i, : len(r)] = torch.softmax(step_logits, -1).pow(2).sum(-1)
         if self.replay is None:
-            return TokenForward(logp, mask, ent)
-        return TokenForward(logp, mask, ent, self.replay.replayed, self.replay.changed, self.replay.maps())
+            return TokenForward(logp, mask, ent, sum_pi2=spi)
+        replayed = (self.replay.replayed, self.replay.changed, self.replay.maps())
+        return TokenForward(logp, mask, ent, *replayed, sum_pi2=spi)
 
     @torch.no_grad()
     def logprobs(
-        self, prompts: list, responses: list, routes: list | None = None, at_least: int = 1
-    ) -> list[list[float]]:
+        self, prompts: list, responses: list, routes: list | None = None, at_least: int = 1, sum_pi2: bool = False
+    ) -> list:
         """Response-token logprobs under the current weights, in micro-batches cut as the proximal pass says
-        (proximal anchors; tests); `routes`: the rows' routed_experts to replay."""
+        (proximal anchors; tests); `routes`: the rows' routed_experts to replay; `sum_pi2`: each row as (logprobs,
+        sum pi^2) instead."""
         with self.offload.active():
             batching = self.log_prob_batching
-            return micro_batched_logprobs(self._token_logprobs, prompts, responses, batching, routes, at_least)
+            return micro_batched_logprobs(self._token_logprobs, prompts, responses, batching, routes, at_least, sum_pi2)
 
     @torch.no_grad()
-    def share_logprobs(self, shares: list[tuple[dict[str, list], int]]) -> list[list[list[float]]]:
+    def share_logprobs(self, shares: list[tuple[dict[str, list], int]], sum_pi2: bool = False) -> list[list]:
         """A data-parallel rank's logprobs of its share of each batch: (rows with prompt_ids, response_ids and,
         replaying routes, routed_experts; the forward passes every rank runs for it)."""
         out = []
         for rows, passes in shares:
             routes = rows[ROUTES_COLUMN] if self.replay is not None else None
-            out.append(self.logprobs(rows["prompt_ids"], rows["response_ids"], routes, at_least=passes))
+            out.append(self.logprobs(rows["prompt_ids"], rows["response_ids"], routes, passes, sum_pi2))
             for _ in range(passes - self.log_prob_batching.count(row_tokens(rows), passes)):
                 self._idle_logits()
         return out

@@ -39,7 +39,7 @@ def test_dapo_recipe_filters_refills_shapes_and_learns(run_job):
     )
     audit = (run_dir / "audit.txt").read_text()
     assert summary["audit_ok"], audit
-    assert "filtered groups carry no signal, trained ones do" in audit
+    assert "left-out groups whole and never trained, flat ones flat, dropped ones failed" in audit
     check_filtering(summary, run_dir)
     check_overlong_and_learning(run_dir)
 

@@ -1,8 +1,9 @@
 """Reward sources beyond a rule, in the real stream: a discriminative reward model trained here scores in its own
 actor stage and the policy learns against it; a generative judge (the policy's starting weights, served by a vLLM
 engine of its own) judges every response, and the groups its parser fails on are dropped and refilled through the
-gate; a real HTTP reward service on loopback, started by the test, answers with 500s, timeouts and slow answers, and
-every sample is scored or accounted for, retries counted, the audit passing.
+gate (the judge's run also trains with verl's optimal token baseline, the trainer subtracting its baseline); a real
+HTTP reward service on loopback, started by the test, answers with 500s, timeouts and slow answers, and every sample
+is scored or accounted for, retries counted, the audit passing.
 
 The reward model's run is the default job (staleness 0.5, no partial rollout) with CISPO's policy loss: it also
 carries the checks of verl's async mode with stale samples (tests/pipeline/modes.py) and serial validation (verl's
@@ -168,6 +169,8 @@ def test_a_judge_scores_in_the_stream_and_groups_it_fails_on_are_refilled(run_jo
         "reward.judge.max_tokens=32",
         "reward.judge.max_model_len=128",
         "reward.on_error=drop_group",
+        "algorithm.adv_estimator=optimal_token_baseline",  # verl's OTB: the trainer subtracts its baseline
+        "algorithm.rollout_correction.bypass_mode=false",  # from its proximal pass, as verl's needs
         "rollout.prompts_per_call=1",  # a dropped group's replacement comes through the gate one prompt at a time
         "rollout.calls_in_flight=8",
         "trainer.monitor=jsonl",
@@ -185,6 +188,7 @@ def test_a_judge_scores_in_the_stream_and_groups_it_fails_on_are_refilled(run_jo
             "reward_sources",
             "reward_status",
             "reward_error",
+            "token_advantages",
         ],
     )
     judge = load_user_module(str(tmp_path / "judge.py"), "test")
@@ -202,6 +206,10 @@ def test_a_judge_scores_in_the_stream_and_groups_it_fails_on_are_refilled(run_jo
             assert row["reward_status"] == "dropped" and row["reward_error"].startswith("judge: ")
         else:
             assert rec["error"] is None and rec["score"] == pytest.approx(expected)
+            # the stream's half of the optimal token baseline: the returns, the reward on every token (none for a
+            # member of a dropped group: it is out of the loss)
+            returns = row["reward"] if row["reward_status"] == "ok" else 0.0
+            assert row["token_advantages"] == pytest.approx([returns] * len(row["token_advantages"]))
     # greedy and frozen: one verdict per judge prompt, the starting weights' own greedy answer (computed here with
     # transformers, which may break a near-tie the other way on a token: 90 % of the prompts, not all)
     assert all(len(v) == 1 for v in verdicts.values())
@@ -213,7 +221,7 @@ def test_a_judge_scores_in_the_stream_and_groups_it_fails_on_are_refilled(run_jo
     # every dropped group left out whole and refilled: full steps, none of it trained
     left_out = pq.read_table(run_dir / "filtered").to_pylist()
     dropped = {r["prompt_id"] for r in rows if r["reward_status"] == "dropped"}
-    assert dropped and {r["prompt_id"] for r in left_out} == dropped
+    assert dropped and {r["prompt_id"] for r in left_out} == dropped and summary["groups_dropped"] == len(dropped)
     assert {r["filtered_reason"] for r in left_out} == {"reward_failed"}
     assert not dropped & {r["prompt_id"] for r in pads.dataset(run_dir / "consumed").to_table().to_pylist()}
     consumed = pads.dataset(run_dir / "consumed").to_table(columns=["prompt_id", "consumed_step"]).to_pylist()

@@ -1,6 +1,7 @@
 """verl's `algorithm.*` keys load and choose the stages: the estimator class, the step-level whitening, the
 reference stage, and the metrics of the KL in the reward."""
 
+from types import SimpleNamespace
 from typing import get_args
 
 import pyarrow as pa
@@ -172,13 +173,26 @@ def test_reward_kl_metrics_only_with_the_column():
     [
         ("gae", "a critic"),
         ("remax", "a greedy baseline rollout"),
-        ("optimal_token_baseline", "the trainer's sum of squared token probabilities"),
-        ("tir_optimal_token_baseline", "the trainer's sum of squared token probabilities"),
     ],
 )
 def test_an_estimator_that_needs_what_the_stream_lacks_names_it(name, needs):
     with pytest.raises(ConfigError, match=f"adv_estimator={name} needs {needs}"):
         load_config(None, [f"algorithm.adv_estimator={name}"])
+
+
+@pytest.mark.parametrize("name, kind", [("optimal_token_baseline", "otb"), ("tir_optimal_token_baseline", "tir")])
+def test_the_optimal_token_baseline_needs_the_proximal_pass_and_the_torch_trainer(name, kind):
+    from pipeline.trainer_launch import _policy
+
+    on = [f"algorithm.adv_estimator={name}"]
+    with pytest.raises(ConfigError, match=f"{name} takes sum pi.2 from the trainer's proximal logprob pass"):
+        load_config(None, on)  # the default is bypass mode
+    decoupled = [*on, "algorithm.rollout_correction.bypass_mode=false"]
+    with pytest.raises(ConfigError, match="is built for trainer.backend=torch"):
+        load_config(None, [*decoupled, "trainer.backend=megatron"])
+    cfg = load_config(None, decoupled)
+    assert _policy(SimpleNamespace(cfg=cfg)).trainer_baseline == kind
+    assert _policy(SimpleNamespace(cfg=load_config(None))).trainer_baseline == ""
 
 
 def test_gpg_scales_over_the_step():
