@@ -132,7 +132,7 @@ class FSDPTrainer(SendsWeights):
             anchors, pi2 = split_sum_pi2(anchors) if spi else (anchors, None)
             corrections, correction_metrics = correct_minibatches(minibatches, anchors, self.correction)
             if pi2 is not None:  # the optimal token baseline, over whole mini-batches before they are shared
-                baseline_minibatches(self.policy.trainer_baseline, minibatches, anchors, pi2, corrections)
+                minibatches = baseline_minibatches(self.policy.trainer_baseline, minibatches, anchors, pi2, corrections)
         plans: list[list[Share]] = [[] for _ in range(self.size)]
         for rows, part, anchor, (masks, weights) in zip(minibatches, parts, anchors, corrections, strict=True):
             # Checked and counted over the whole mini-batch here, before any rank starts a collective.

@@ -347,17 +347,18 @@ def split_sum_pi2(anchors: list[list]) -> tuple[list[list], list[list]]:
     return [[row[0] for row in mb] for mb in anchors], [[row[1] for row in mb] for mb in anchors]
 
 
-def baseline_minibatches(kind: str, minibatches: list, anchors: list, pi2: list, corrections: list) -> None:
-    """The optimal token baseline's half in the trainer (stages/advantage/otb.py): each mini-batch's
-    token_advantages, the stream's returns, become returns minus the baseline, from the proximal pass's logprobs
+def baseline_minibatches(kind: str, minibatches: list, anchors: list, pi2: list, corrections: list) -> list[dict]:
+    """The optimal token baseline's half in the trainer (stages/advantage/otb.py): the mini-batches with their
+    token_advantages, the stream's returns, replaced by returns minus the baseline, from the proximal pass's logprobs
     and sum pi^2 and rollout correction's masks and IS weights. Groups are whole within a mini-batch."""
     from stages.advantage.otb import subtract_baseline
 
+    out = []
     for rows, anchor, spi, (masks, weights) in zip(minibatches, anchors, pi2, corrections, strict=True):
         masks = rows["response_mask"] if masks is None else masks
-        rows["token_advantages"] = subtract_baseline(
-            kind, rows["prompt_id"], rows["token_advantages"], masks, anchor, spi, weights
-        )
+        advantages = subtract_baseline(kind, rows["prompt_id"], rows["token_advantages"], masks, anchor, spi, weights)
+        out.append({**rows, "token_advantages": advantages})
+    return out
 
 
 def pick(values: list, rows: Rows) -> list:

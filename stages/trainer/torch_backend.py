@@ -154,7 +154,7 @@ class TorchTrainer(SendsWeights):
             anchors, pi2 = split_sum_pi2(anchors) if spi else (anchors, None)
             corrections, correction_metrics = correct_minibatches(minibatches, anchors, self.correction)
             if spi:  # the optimal token baseline: the trainer's half (stages/advantage/otb.py)
-                baseline_minibatches(self.policy.trainer_baseline, minibatches, anchors, pi2, corrections)
+                minibatches = baseline_minibatches(self.policy.trainer_baseline, minibatches, anchors, pi2, corrections)
         bypass = None if self.recompute else self.correction  # the bypass_mode loss corrects inside itself
         for rows, anchor, (masks, weights) in zip(minibatches, anchors, corrections, strict=True):
             self._update(Minibatch.of(rows, self.policy, anchor, masks, weights, bypass=bypass), totals)

@@ -43,6 +43,7 @@ def _minibatches(trainer: TorchTrainer) -> list[dict[str, list]]:
                 "response_logprobs": [(np.asarray(row) + rng.normal(0, 0.3, len(row))).tolist() for row in current],
                 "ref_logprobs": [(np.asarray(row) - 0.2).tolist() for row in current],
                 "token_advantages": [rng.normal(size=len(r)).tolist() for r in responses],
+                "prompt_id": [f"{n}-{i // 2}" for i in range(n)],  # groups of 2 (the optimal token baseline's)
             }
         )
     return out
@@ -119,19 +120,23 @@ def test_dp2_trains_with_dp1s_losses_and_its_checkpoint_resumes(ray_session, mod
     _assert_same_metrics(single.train_step(batch), cont, RTOL, ATOL)
 
 
+@pytest.mark.parametrize("baseline", ["", "otb"])
 def test_dp2_packed_with_token_budgets_and_checkpointing_trains_what_dp1_padded_trains(
-    ray_session, model_dir, tmp_path
+    ray_session, model_dir, tmp_path, baseline
 ):
     """The same step at fsdp_size=2 with every rank packing its micro-batches, cutting them by a token budget (the
     ranks' shares need different numbers of micro-batches: the shorter one cuts into more, as verl) and checkpointing
-    its layers, the proximal pass cut by a budget too: DP = 1's padded metrics and weights, same tolerances."""
+    its layers, the proximal pass cut by a budget too: DP = 1's padded metrics and weights, same tolerances. With
+    the optimal token baseline ('otb') each rank's proximal pass also returns its share's sum pi^2, and the
+    baseline over the whole mini-batch is DP = 1's."""
     from stages.trainer.fsdp_backend import FSDPTrainer
 
     ray = ray_session
-    one = TorchTrainer(model_dir, POLICY, **ARGS)
+    policy = dataclasses.replace(POLICY, trainer_baseline=baseline)
+    one = TorchTrainer(model_dir, policy, **ARGS)
     batch = _minibatches(one)
     want = one.train_step(batch)
-    budget = dataclasses.replace(POLICY, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24)
+    budget = dataclasses.replace(policy, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24)
     run = ExecutionSettings(
         use_remove_padding=True,
         enable_gradient_checkpointing=True,

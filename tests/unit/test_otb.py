@@ -76,8 +76,9 @@ def test_the_stream_writes_the_returns():
 
 def test_the_trainers_half_replaces_the_returns_with_the_advantages():
     rows = {"prompt_id": GROUPS, "token_advantages": RETURNS, "response_mask": MASKS}
-    baseline_minibatches("otb", [rows], [LOGP], [PI2], [(None, None)])
-    np.testing.assert_allclose(rows["token_advantages"][0], [1 - 0.02 / 0.52, 1 - 0.92 / 1.92], atol=1e-6)
+    (out,) = baseline_minibatches("otb", [rows], [LOGP], [PI2], [(None, None)])
+    np.testing.assert_allclose(out["token_advantages"][0], [1 - 0.02 / 0.52, 1 - 0.92 / 1.92], atol=1e-6)
+    assert rows["token_advantages"] is RETURNS  # the caller's rows untouched
 
 
 @pytest.mark.parametrize("packed", [False, True])
