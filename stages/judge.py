@@ -129,7 +129,10 @@ class Judge:
         except Exception as err:  # noqa: BLE001 - the user's function: the sample's error
             return None, f"{PROMPT_FN} raised {type(err).__name__}: {err}"[:500]
         if isinstance(prompt, list):
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            except Exception as err:  # noqa: BLE001 - no template, or messages it cannot render: the sample's error
+                return None, f"the judge's chat template cannot render {PROMPT_FN}'s messages: {err}"[:500]
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has its own
         elif isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]

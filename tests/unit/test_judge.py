@@ -121,6 +121,18 @@ def test_a_failed_judging_is_tried_again_under_max_attempts(model_dir):
     assert always["judge"]["error"] and always["judge"]["attempts"] == 2
 
 
+def test_chat_messages_without_a_chat_template_are_the_samples_error(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    plain = AutoTokenizer.from_pretrained(model_dir)
+    plain.chat_template = None
+    plain.save_pretrained(tmp_path)
+    stage = Judge(str(tmp_path), str(model_dir / "judge.py"), max_model_len=96, max_tokens=32, engine=Reverser())
+    chat, text = records_of(stage(block(["chat", "cba"])))
+    assert "the judge's chat template cannot render judge_prompt's messages" in chat["judge"]["error"]
+    assert text["judge"]["error"] is None
+
+
 def test_a_dead_engine_ends_the_run_with_its_cause(model_dir):
     stage, engine = judge(model_dir)
     engine.dead = True
