@@ -237,7 +237,8 @@ class DynamicSampling:
 
     def _reason(self, group: pa.Table) -> tuple[str | None, float | None]:
         """Why `group` is left out (and the flat metric's value), or (None, None) to train it."""
-        if self.drop_failed and DROPPED in group["reward_status"].to_pylist():
+        statuses = group["reward_status"].to_pylist() if "reward_status" in group.column_names else []
+        if self.drop_failed and DROPPED in statuses:
             return DROPPED_REASON, None
         value = None if self.filter is None else self.filter.shared_value(group)
         return (None, None) if value is None else (FLAT_REASON, value)
