@@ -255,6 +255,15 @@ def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             "algorithm.rollout_correction.bypass_mode=false",
         ),
         (
+            not otb or cfg.actor.calculate_sum_pi_squared,
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs the proximal pass's sum pi^2: set "
+            "actor.calculate_sum_pi_squared=true (verl requires the same)",
+        ),
+        (
+            not cfg.actor.trainer_baseline,
+            "actor.trainer_baseline is set from algorithm.adv_estimator: leave it out of the config",
+        ),
+        (
             not otb or cfg.trainer.backend == "torch",
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} is built for trainer.backend=torch (its sum pi^2 "
             "over a tensor-parallel vocabulary is not in the Megatron trainer yet)",

@@ -185,10 +185,13 @@ class PolicySettings:
     response, since a row is never split."""
     router_replay: RouterReplaySettings = field(default_factory=RouterReplaySettings)
     """MoE routing replay (verl's `actor.router_replay`): 'R3' trains with the engine's expert choices."""
+    calculate_sum_pi_squared: bool = False
+    """verl's switch for the proximal pass's sum of squared token probabilities, which the optimal-token-baseline
+    estimators need (as in verl, they require it on); no effect with the other estimators."""
     trainer_baseline: str = ""
-    """'otb' or 'tir' when the advantage estimator is verl's optimal-token-baseline pair: the step's proximal pass
-    also computes sum pi^2 and the trainer subtracts the baseline from the stream's returns
-    (stages/advantage/otb.py); '' when the stream's advantages are final."""
+    """Set from algorithm.adv_estimator, not a key of its own: 'otb' or 'tir' for verl's optimal-token-baseline pair
+    (the step's proximal pass also computes sum pi^2 and the trainer subtracts the baseline from the stream's
+    returns, stages/advantage/otb.py); '' when the stream's advantages are final."""
 
     def __post_init__(self) -> None:
         if self.clip_ratio_c <= 1.0:

@@ -171,6 +171,7 @@ def test_a_judge_scores_in_the_stream_and_groups_it_fails_on_are_refilled(run_jo
         "reward.on_error=drop_group",
         "algorithm.adv_estimator=optimal_token_baseline",  # verl's OTB: the trainer subtracts its baseline
         "algorithm.rollout_correction.bypass_mode=false",  # from its proximal pass, as verl's needs
+        "actor.calculate_sum_pi_squared=true",
         "rollout.prompts_per_call=1",  # a dropped group's replacement comes through the gate one prompt at a time
         "rollout.calls_in_flight=8",
         "trainer.monitor=jsonl",

@@ -188,6 +188,11 @@ def test_the_optimal_token_baseline_needs_the_proximal_pass_and_the_torch_traine
     with pytest.raises(ConfigError, match=f"{name} takes sum pi.2 from the trainer's proximal logprob pass"):
         load_config(None, on)  # the default is bypass mode
     decoupled = [*on, "algorithm.rollout_correction.bypass_mode=false"]
+    with pytest.raises(ConfigError, match="set actor.calculate_sum_pi_squared=true"):
+        load_config(None, decoupled)
+    decoupled.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true")  # verl's spelling
+    with pytest.raises(ConfigError, match="actor.trainer_baseline is set from algorithm.adv_estimator"):
+        load_config(None, [*decoupled, "actor.trainer_baseline=otb"])
     with pytest.raises(ConfigError, match="is built for trainer.backend=torch"):
         load_config(None, [*decoupled, "trainer.backend=megatron"])
     cfg = load_config(None, decoupled)
