@@ -62,7 +62,7 @@ def filtered_groups(filtered: pa.Table | None, consumed: pa.Table, samples: pa.T
     if group_filter is not None:
         flat = sorted(pid for pid in signal if group_filter.shared_value(by_prompt[pid]) is not None)
         bad += [f"{pid} (trained, its {group_filter.metric} the same for every response)" for pid in flat]
-    if drop_on:
+    if drop_on and "reward_status" in samples.column_names:
         failed = sorted(pid for pid in signal if DROPPED in by_prompt[pid].column("reward_status").to_pylist())
         bad += [f"{pid} (trained, a group the reward step dropped: it should have been refilled)" for pid in failed]
     counts = Counter(rows[0][2] for rows in logged.values())
