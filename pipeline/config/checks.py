@@ -264,9 +264,9 @@ def _correction_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             "actor.trainer_baseline is set from algorithm.adv_estimator: leave it out of the config",
         ),
         (
-            not otb or cfg.trainer.backend == "torch",
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} is built for trainer.backend=torch (its sum pi^2 "
-            "over a tensor-parallel vocabulary is not in the Megatron trainer yet)",
+            not otb or cfg.trainer.backend != "sim",
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a trainer that computes logprobs: "
+            "trainer.backend=torch or megatron",
         ),
     ]
 

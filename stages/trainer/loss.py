@@ -77,6 +77,22 @@ def entropy_from_logits(
         return torch.log(total) - weighted / total
 
 
+def sum_pi2_from_logits(
+    logits: torch.Tensor, reduce_max: Reduce | None = None, reduce_sum: Reduce | None = None
+) -> torch.Tensor:
+    """sum_v p_v^2 (...,) of softmax(logits (..., V)), no graph: sum e^2 / (sum e)^2 with e = exp(z - m), the sums
+    all-reduced over a vocabulary split across TP ranks as entropy_from_logits's. -inf logits count as 0."""
+    with torch.no_grad():
+        shift = logits.amax(-1, keepdim=True)
+        if reduce_max is not None:
+            shift = reduce_max(shift)
+        e = torch.exp(logits - shift)  # exp(-inf) = 0
+        total, squares = e.sum(-1), e.pow(2).sum(-1)
+        if reduce_sum is not None:
+            total, squares = reduce_sum(total), reduce_sum(squares)
+        return squares / total.pow(2)
+
+
 @dataclass
 class TokenForward:
     """A backend's forward pass over a batch of (prompt, response) pairs, on the response tokens."""

@@ -42,7 +42,14 @@ from stages.trainer.correction import correct_minibatches
 from stages.trainer.megatron_rank import MegatronRank
 from stages.trainer.ranks import RankPlacement, free_port, node_address
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings, correction_mode_error
-from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes
+from stages.trainer.step import (
+    ROUTES_COLUMN,
+    Minibatch,
+    StepTotals,
+    baseline_minibatches,
+    check_routes,
+    split_sum_pi2,
+)
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta, make_sender
 
@@ -160,7 +167,7 @@ class MegatronTrainer(SendsWeights):
         start = time.monotonic()
         minibatches = rows_of(minibatches)  # fetched from the object store here, not through the driver
         parts = [balanced_partitions(row_tokens(mb), self.dp) for mb in minibatches]
-        corrected, metrics = self._correct(minibatches)
+        minibatches, corrected, metrics = self._correct(minibatches)
         # Counted (and checked) over each whole mini-batch here, before any rank starts a collective.
         counts = [Minibatch.of(mb, self.rank.policy, *c).counts for mb, c in zip(minibatches, corrected, strict=True)]
         shares = [[take_rows(mb, part[d]) for mb, part in zip(minibatches, parts, strict=True)] for d in range(self.dp)]
@@ -171,29 +178,39 @@ class MegatronTrainer(SendsWeights):
         totals[0].started = start
         return metrics | totals[0].metrics()
 
-    def _correct(self, minibatches: list[dict[str, list]]) -> tuple[list[tuple], dict[str, float]]:
-        """Per mini-batch (proximal anchors, rejection-masked masks, IS weights): with recomputed logprobs, all of
-        them before the first update (the weights at the start of the step) and the step corrected at once, as
-        TorchTrainer does; in bypass mode (None, None, None): the engine's logprobs are the anchor."""
+    def _correct(self, minibatches: list[dict[str, list]]) -> tuple[list[dict], list[tuple], dict[str, float]]:
+        """The mini-batches (with the optimal token baseline subtracted, stages/advantage/otb.py, when the
+        estimator is that pair) and per mini-batch (proximal anchors, rejection-masked masks, IS weights): with
+        recomputed logprobs, all of them before the first update (the weights at the start of the step) and the step
+        corrected at once, as TorchTrainer does; in bypass mode (None, None, None): the engine's logprobs are the
+        anchor."""
         if not self.recompute:
-            return [(None, None, None)] * len(minibatches), {}
+            return minibatches, [(None, None, None)] * len(minibatches), {}
         replay = self.rank.policy.router_replay.active
         for mb in minibatches if replay else []:
             check_routes(mb)
+        baseline = self.rank.policy.trainer_baseline
         anchors = [
-            self.logprobs(mb["prompt_ids"], mb["response_ids"], mb[ROUTES_COLUMN] if replay else None)
+            self.logprobs(mb["prompt_ids"], mb["response_ids"], mb[ROUTES_COLUMN] if replay else None, bool(baseline))
             for mb in minibatches
         ]
+        anchors, pi2 = split_sum_pi2(anchors) if baseline else (anchors, None)
         corrections, metrics = correct_minibatches(minibatches, anchors, self.correction)
-        return [(a, m, w) for a, (m, w) in zip(anchors, corrections, strict=True)], metrics
+        if baseline:
+            minibatches = baseline_minibatches(baseline, minibatches, anchors, pi2, corrections)
+        return minibatches, [(a, m, w) for a, (m, w) in zip(anchors, corrections, strict=True)], metrics
 
-    def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]]:
-        """Each replica computes its share of the rows; they come back in the rows' order."""
+    def logprobs(
+        self, prompts: list, responses: list, routes: list | None = None, sum_pi2: bool = False
+    ) -> list[list[float]]:
+        """Each replica computes its share of the rows (with `sum_pi2`: (logprobs, sum pi^2) rows); they come back
+        in the rows' order."""
         rows = {"prompt_ids": prompts, "response_ids": responses} | ({ROUTES_COLUMN: routes} if routes else {})
         part = balanced_partitions(row_tokens(rows), self.dp)
         shares = [take_rows(rows, index) for index in part]
         results = self._each(
-            "logprobs", lambda d: (shares[d]["prompt_ids"], shares[d]["response_ids"], shares[d].get(ROUTES_COLUMN))
+            "logprobs",
+            lambda d: (shares[d]["prompt_ids"], shares[d]["response_ids"], shares[d].get(ROUTES_COLUMN), sum_pi2),
         )
         merged: list = [None] * len(prompts)
         for index, result in zip(part, results, strict=True):

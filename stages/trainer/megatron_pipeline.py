@@ -154,9 +154,9 @@ def scheduled_update(rank, mb: Minibatch, totals: StepTotals) -> None:
     rank.step(totals)
 
 
-def scheduled_logprobs(rank, prompts: list, responses: list) -> list[list[float]] | None:
-    """Each response's token logprobs through the pipeline, a micro-batch at a time (cut as the proximal pass says);
-    the last stage's answer, None on the other stages."""
+def scheduled_logprobs(rank, prompts: list, responses: list, sum_pi2: bool = False) -> list | None:
+    """Each response's token logprobs (with `sum_pi2`: (logprobs, sum pi^2) rows) through the pipeline, a
+    micro-batch at a time (cut as the proximal pass says); the last stage's answer, None on the other stages."""
     slices = rank.log_prob_batching.cut(row_tokens({"prompt_ids": prompts, "response_ids": responses}))
     out: list = [None] * len(responses)
 
@@ -166,9 +166,10 @@ def scheduled_logprobs(rank, prompts: list, responses: list) -> list[list[float]
         output = rank.stage_forward(batch, None)
 
         def collect(logits: torch.Tensor):
-            logp = rank.read_logits(logits, batch).logp
-            for i, row in zip(sl, logp, strict=True):
-                out[i] = row[: len(responses[i])].tolist()
+            forward = rank.read_logits(logits, batch, sum_pi2=sum_pi2)
+            for j, i in enumerate(sl):
+                logp = forward.logp[j, : len(responses[i])].tolist()
+                out[i] = (logp, forward.sum_pi2[j, : len(responses[i])].tolist()) if sum_pi2 else logp
             return logits.new_zeros(()), torch.ones((), dtype=torch.int), {}
 
         return output, collect

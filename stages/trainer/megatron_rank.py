@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from stages.trainer.loss import AggCounts, TokenForward, entropy_from_logits
+from stages.trainer.loss import AggCounts, TokenForward, entropy_from_logits, sum_pi2_from_logits
 from stages.trainer.lr_schedule import apply_lr
 from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, shard
 from stages.trainer.megatron_export import ModelExport
@@ -238,12 +238,17 @@ class MegatronRank:
 
     # --- forward -------------------------------------------------------------------------------------------------
     def _token_logprobs(
-        self, prompts: list, responses: list, entropy: bool = False, routes: torch.Tensor | None = None
+        self,
+        prompts: list,
+        responses: list,
+        entropy: bool = False,
+        routes: torch.Tensor | None = None,
+        sum_pi2: bool = False,
     ) -> TokenForward:
-        """Logprob of each response token (B, T) and, when asked, its entropy: TorchTrainer's contract, routes
-        to replay included (one stage: PP = 1)."""
+        """Logprob of each response token (B, T) and, when asked, its entropy and sum pi^2: TorchTrainer's
+        contract, routes to replay included (one stage: PP = 1)."""
         batch = self.inputs(prompts, responses)
-        return self.read_logits(self.stage_forward(batch, routes), batch, entropy)
+        return self.read_logits(self.stage_forward(batch, routes), batch, entropy, sum_pi2)
 
     def inputs(self, prompts: list, responses: list) -> Inputs:
         """Right-padded rows, or one packed row with model.use_remove_padding (stages/trainer/megatron_inputs.py)."""
@@ -259,8 +264,11 @@ class MegatronRank:
         with self.replay.forcing(routes) if self.replay else contextlib.nullcontext():
             return self.model(batch.ids, batch.positions, batch.causal)
 
-    def read_logits(self, logits: torch.Tensor, batch: Inputs, entropy: bool = False) -> TokenForward:
-        """The response tokens' logprobs (B, T), and their entropy when asked, from the last stage's logits."""
+    def read_logits(
+        self, logits: torch.Tensor, batch: Inputs, entropy: bool = False, sum_pi2: bool = False
+    ) -> TokenForward:
+        """The response tokens' logprobs (B, T), and their entropy and sum pi^2 when asked, from the last stage's
+        logits."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         responses, ids = batch.responses, batch.ids
@@ -268,22 +276,26 @@ class MegatronRank:
         vocab_ids = torch.arange(local_vocab, device=self.device) + self.tp_rank * local_vocab
         logits = logits.float().masked_fill(vocab_ids >= self.shape.vocab_size, float("-inf"))  # padding rows
         targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # position t predicts token t + 1
-        token_ent = self._entropy(logits) if entropy else None  # (B, S); first: the cross entropy works in place
+        # (B, S) each; first: the cross entropy works in place
+        reduce, grad = self._tp_reduce(), self.policy.entropy_coeff != 0
+        token_ent = entropy_from_logits(logits, grad, **reduce) if entropy else None
+        token_spi = sum_pi2_from_logits(logits, **reduce) if sum_pi2 else None
         token_logp = -vocab_parallel_cross_entropy(logits, targets)  # (B, S)
         width = max((len(r) for r in responses), default=0)
         logp = batch.response_values(token_logp, width)
         mask = batch.response_values(torch.ones_like(token_logp), width)
         ent = batch.response_values(token_ent, width) if entropy else None
+        spi = batch.response_values(token_spi, width) if sum_pi2 else None
         if self.replay is None:
-            return TokenForward(logp, mask, ent)
+            return TokenForward(logp, mask, ent, sum_pi2=spi)
         maps = self.replay.maps()
         if maps is not None and batch.packed:
             maps = tuple(unpack_rows(m, batch.lengths) for m in maps)
-        return TokenForward(logp, mask, ent, self.replay.replayed, self.replay.changed, maps)
+        return TokenForward(logp, mask, ent, self.replay.replayed, self.replay.changed, maps, spi)
 
-    def _entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, S) entropy of logits split over the vocabulary across TP ranks: the max and the two sums are
-        all-reduced (the sums forward only, as megatron's own vocab-parallel cross entropy does)."""
+    def _tp_reduce(self) -> dict:
+        """Over a vocabulary split across TP ranks, how a softmax statistic all-reduces its max and its sums (the
+        sums forward only, as megatron's own vocab-parallel cross entropy does); nothing at TP = 1."""
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
         def reduce_max(t: torch.Tensor) -> torch.Tensor:
@@ -293,15 +305,18 @@ class MegatronRank:
         def reduce_sum(t: torch.Tensor) -> torch.Tensor:
             return reduce_from_tensor_model_parallel_region(t, self.tp_group)
 
-        parallel = {"reduce_max": reduce_max, "reduce_sum": reduce_sum} if self.tp > 1 else {}
-        return entropy_from_logits(logits, grad=self.policy.entropy_coeff != 0, **parallel)
+        return {"reduce_max": reduce_max, "reduce_sum": reduce_sum} if self.tp > 1 else {}
 
     @torch.no_grad()
-    def logprobs(self, prompts: list, responses: list, routes: list | None = None) -> list[list[float]] | None:
-        """Each response's token logprobs; at PP > 1 on the last stage, None on the others."""
+    def logprobs(
+        self, prompts: list, responses: list, routes: list | None = None, sum_pi2: bool = False
+    ) -> list | None:
+        """Each response's token logprobs (with `sum_pi2`: (logprobs, sum pi^2) rows); at PP > 1 on the last
+        stage, None on the others."""
         if self.stage.size > 1:
-            return scheduled_logprobs(self, prompts, responses)
-        return micro_batched_logprobs(self._token_logprobs, prompts, responses, self.log_prob_batching, routes)
+            return scheduled_logprobs(self, prompts, responses, sum_pi2)
+        batching = self.log_prob_batching
+        return micro_batched_logprobs(self._token_logprobs, prompts, responses, batching, routes, 1, sum_pi2)
 
     # --- training ------------------------------------------------------------------------------------------------
     def train_step(self, minibatches: list[dict[str, list]], recompute: bool = False) -> dict[str, float]:

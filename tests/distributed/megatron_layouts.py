@@ -58,6 +58,7 @@ def _rank(rank: int, tp: int, pp: int, port: int, model_dir: str, queue) -> None
     mb = minibatch()
     start, meta = _export(trainer), trainer.hf_meta()
     logprobs = trainer.logprobs(mb["prompt_ids"], mb["response_ids"])
+    with_pi2 = trainer.logprobs(mb["prompt_ids"], mb["response_ids"], sum_pi2=True)  # the optimal token baseline's
     last = rank >= tp * (pp - 1)  # the last stage's ranks: the other stages have no logprobs and compute no loss
     mb["response_logprobs"] = logprobs if last else [[0.0] * len(r) for r in mb["response_ids"]]
     steps = [trainer.train_step([mb]) for _ in range(STEPS)]
@@ -65,7 +66,8 @@ def _rank(rank: int, tp: int, pp: int, port: int, model_dir: str, queue) -> None
     if rank == 0:
         queue.put(("export", {"start": start, "end": end, "meta": meta}))
     if rank == tp * (pp - 1):
-        queue.put(("losses", {"logprobs": logprobs, "steps": steps}))
+        assert [row for row, _ in with_pi2] == logprobs
+        queue.put(("losses", {"logprobs": logprobs, "sum_pi2": [spi for _, spi in with_pi2], "steps": steps}))
 
 
 PORT_TRIES = 3

@@ -38,6 +38,10 @@ def test_tp2_trains_with_the_losses_of_tp1(runs):
     np.testing.assert_allclose(
         [x for r in one["logprobs"] for x in r], [x for r in two["logprobs"] for x in r], rtol=0, atol=TOL
     )
+    # sum pi^2 over the vocabulary split between the two ranks (max and sums all-reduced)
+    spi = [x for r in one["sum_pi2"] for x in r]
+    np.testing.assert_allclose(spi, [x for r in two["sum_pi2"] for x in r], rtol=0, atol=TOL)
+    assert 0 < min(spi) and max(spi) < 1
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "train/ratio_mean"):
         a = [s[key] for s in one["steps"]]
         b = [s[key] for s in two["steps"]]
