@@ -18,9 +18,8 @@ share: the token-level rewards, the KL in the reward, the groups, the output col
 | tir_optimal_token_baseline    | TIROptimalTokenBaselineAdvantage    | the same over trained-token indices     |
 
 verl's other estimators need what the stream does not have (REFUSED_ESTIMATORS says what): a critic (gae), a greedy
-baseline rollout (remax). A class with a `trainer_baseline` (the optimal-token-baseline pair) writes the returns, and
-the trainer subtracts that baseline after its proximal pass, which has the sum of squared token probabilities the
-baseline needs.
+baseline rollout (remax). The optimal-token-baseline pair writes the returns, and the trainer subtracts the baseline
+after its proximal pass, which has the sum of squared token probabilities the baseline needs (otb.py).
 
 The wiring picks the class from ESTIMATORS unless the config names one with `stages.advantage._target_` (a user's
 own estimator wins over `algorithm.adv_estimator`). A class with `whiten_over_step = True` has the training sink

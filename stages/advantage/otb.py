@@ -27,7 +27,7 @@ reward (verl drops it from the returns, here it stays in the earlier tokens' ret
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -42,9 +42,8 @@ BASELINES = {"optimal_token_baseline": "otb", "tir_optimal_token_baseline": "tir
 
 
 class OptimalTokenBaselineAdvantage(AdvantageStage):
-    """The stream's half: the returns. `trainer_baseline` tells the trainer which baseline to subtract."""
-
-    trainer_baseline: ClassVar[str] = "otb"
+    """The stream's half of both forms: the returns. The trainer subtracts the form's baseline, which it knows from
+    algorithm.adv_estimator (BASELINES, pipeline/trainer_launch.py)."""
 
     def estimate(self, batch: pa.Table, rewards: TokenRewards) -> tuple[np.ndarray, np.ndarray]:
         masked = rewards.token_rewards * rewards.mask
@@ -53,7 +52,7 @@ class OptimalTokenBaselineAdvantage(AdvantageStage):
 
 
 class TIROptimalTokenBaselineAdvantage(OptimalTokenBaselineAdvantage):
-    trainer_baseline: ClassVar[str] = "tir"
+    """The multi-turn form's stream half: the same returns."""
 
 
 def subtract_baseline(
