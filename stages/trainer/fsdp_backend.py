@@ -30,7 +30,6 @@ import torch
 
 from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
-from stages.trainer.correction import correct_minibatches
 from stages.trainer.fsdp import DPRank, Share
 from stages.trainer.micro_batches import MicroBatching, common_passes
 from stages.trainer.precision import MixedPrecision
@@ -40,9 +39,8 @@ from stages.trainer.step import (
     ROUTES_COLUMN,
     Minibatch,
     StepTotals,
-    baseline_minibatches,
     check_routes,
-    split_sum_pi2,
+    proximal_step,
 )
 from stages.trainer.torch_backend import TorchTrainer, copy_side_files, upload
 from stages.trainer.weight_sync import SendsWeights
@@ -129,10 +127,10 @@ class FSDPTrainer(SendsWeights):
         if self.rank.recompute:  # decoupled PPO: the anchors are the weights at the start of the step
             spi = bool(self.policy.trainer_baseline)
             anchors = self._logprobs([_routed(mb, self.policy) for mb in minibatches], parts, spi)
-            anchors, pi2 = split_sum_pi2(anchors) if spi else (anchors, None)
-            corrections, correction_metrics = correct_minibatches(minibatches, anchors, self.correction)
-            if pi2 is not None:  # the optimal token baseline, over whole mini-batches before they are shared
-                minibatches = baseline_minibatches(self.policy.trainer_baseline, minibatches, anchors, pi2, corrections)
+            # the optimal token baseline, if any, over whole mini-batches before they are shared
+            minibatches, anchors, corrections, correction_metrics = proximal_step(
+                minibatches, anchors, self.correction, self.policy.trainer_baseline
+            )
         plans: list[list[Share]] = [[] for _ in range(self.size)]
         for rows, part, anchor, (masks, weights) in zip(minibatches, parts, anchors, corrections, strict=True):
             # Checked and counted over the whole mini-batch here, before any rank starts a collective.

@@ -38,7 +38,6 @@ import torch
 
 from stages.handoff import StepRows, rows_of
 from stages.trainer.balance import balanced_partitions, row_tokens, take_rows
-from stages.trainer.correction import correct_minibatches
 from stages.trainer.megatron_rank import MegatronRank
 from stages.trainer.ranks import RankPlacement, free_port, node_address
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings, correction_mode_error
@@ -46,9 +45,8 @@ from stages.trainer.step import (
     ROUTES_COLUMN,
     Minibatch,
     StepTotals,
-    baseline_minibatches,
     check_routes,
-    split_sum_pi2,
+    proximal_step,
 )
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta, make_sender
@@ -194,10 +192,7 @@ class MegatronTrainer(SendsWeights):
             self.logprobs(mb["prompt_ids"], mb["response_ids"], mb[ROUTES_COLUMN] if replay else None, bool(baseline))
             for mb in minibatches
         ]
-        anchors, pi2 = split_sum_pi2(anchors) if baseline else (anchors, None)
-        corrections, metrics = correct_minibatches(minibatches, anchors, self.correction)
-        if baseline:
-            minibatches = baseline_minibatches(baseline, minibatches, anchors, pi2, corrections)
+        minibatches, anchors, corrections, metrics = proximal_step(minibatches, anchors, self.correction, baseline)
         return minibatches, [(a, m, w) for a, (m, w) in zip(anchors, corrections, strict=True)], metrics
 
     def logprobs(

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from stages.trainer.balance import row_tokens
+from stages.trainer.correction import correct_minibatches
 from stages.trainer.kl import kl_penalty
 from stages.trainer.loss import AggCounts, TokenLogprobs, agg_loss
 from stages.trainer.micro_batches import MicroBatching
@@ -329,7 +330,7 @@ def micro_batched_logprobs(
     """Each response's token logprobs, computed a micro-batch at a time (cut by `batching`, `at_least` of them
     with a token budget) by a backend's `token_logprobs`: the proximal anchors of every backend. `routes`: the
     rows' routed_experts, replayed (verl's R3 replays them in this pass too); None routes as the model does.
-    `sum_pi2`: each row as (logprobs, sum pi^2) from the same forward (split_sum_pi2 separates them)."""
+    `sum_pi2`: each row as (logprobs, sum pi^2) from the same forward (proximal_step separates them)."""
     out: list = [None] * len(responses)
     rows = {"prompt_ids": prompts, "response_ids": responses}
     for index in batching.cut(row_tokens(rows), at_least):
@@ -342,9 +343,17 @@ def micro_batched_logprobs(
     return out
 
 
-def split_sum_pi2(anchors: list[list]) -> tuple[list[list], list[list]]:
-    """Per mini-batch rows of (logprobs, sum pi^2) as two lists of mini-batches of rows."""
-    return [[row[0] for row in mb] for mb in anchors], [[row[1] for row in mb] for mb in anchors]
+def proximal_step(minibatches: list, anchors: list, correction: CorrectionSettings, baseline: str) -> tuple:
+    """What every backend does after a step's proximal pass: rollout correction over the whole step, then, for the
+    optimal token baseline (`baseline` 'otb' or 'tir', whose anchors' rows are (logprobs, sum pi^2)), its
+    subtraction. Returns (mini-batches, anchors, per mini-batch (masks, IS weights), correction metrics)."""
+    pi2 = None
+    if baseline:
+        anchors, pi2 = [[r[0] for r in mb] for mb in anchors], [[r[1] for r in mb] for mb in anchors]
+    corrections, metrics = correct_minibatches(minibatches, anchors, correction)
+    if baseline:
+        minibatches = baseline_minibatches(baseline, minibatches, anchors, pi2, corrections)
+    return minibatches, anchors, corrections, metrics
 
 
 def baseline_minibatches(kind: str, minibatches: list, anchors: list, pi2: list, corrections: list) -> list[dict]:

@@ -44,7 +44,6 @@ from torch.nn.utils.rnn import pad_sequence
 from stages.handoff import StepRows, rows_of
 from stages.trainer import fsdp
 from stages.trainer.balance import row_tokens
-from stages.trainer.correction import correct_minibatches
 from stages.trainer.fsdp import DPRank, Share
 from stages.trainer.hf_router_replay import HFRouterReplay
 from stages.trainer.loss import TokenForward, entropy_from_logits
@@ -58,10 +57,9 @@ from stages.trainer.step import (
     ROUTES_COLUMN,
     Minibatch,
     StepTotals,
-    baseline_minibatches,
     check_routes,
     micro_batched_logprobs,
-    split_sum_pi2,
+    proximal_step,
 )
 from stages.trainer.weight_sync import SendsWeights
 from stages.transports import WeightMeta, make_sender
@@ -151,10 +149,9 @@ class TorchTrainer(SendsWeights):
             anchors = [
                 self.logprobs(mb["prompt_ids"], mb["response_ids"], self._routes(mb), sum_pi2=spi) for mb in minibatches
             ]
-            anchors, pi2 = split_sum_pi2(anchors) if spi else (anchors, None)
-            corrections, correction_metrics = correct_minibatches(minibatches, anchors, self.correction)
-            if spi:  # the optimal token baseline: the trainer's half (stages/advantage/otb.py)
-                minibatches = baseline_minibatches(self.policy.trainer_baseline, minibatches, anchors, pi2, corrections)
+            minibatches, anchors, corrections, correction_metrics = proximal_step(
+                minibatches, anchors, self.correction, self.policy.trainer_baseline
+            )
         bypass = None if self.recompute else self.correction  # the bypass_mode loss corrects inside itself
         for rows, anchor, (masks, weights) in zip(minibatches, anchors, corrections, strict=True):
             self._update(Minibatch.of(rows, self.policy, anchor, masks, weights, bypass=bypass), totals)
