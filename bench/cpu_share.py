@@ -35,7 +35,7 @@ from pipeline.config import DEFAULT_CONFIG, load_config
 KINDS = [
     ("VLLM::Worker", "vLLM worker (the model)"),
     ("VllmWorker", "vLLM worker (the model)"),
-    ("EngineCore", "vLLM engine core (scheduler)"),
+    ("EngineCore", "vLLM engine core (scheduler; with one CPU rank also the model)"),
     ("VLLMGenerate", "Generate actor (engine client)"),
     ("Trainer", "trainer"),
     ("StalenessGate", "gate actor"),

@@ -21,9 +21,11 @@ died, its processes, how it runs over several devices).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,7 @@ class VLLMEngine:
         dtype = dtype or ("bfloat16" if gpu else "float32")
         self.kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=seed)
         self.kwargs |= parallel_args(tensor_parallel_size, gpu)
+        self.spawn_env = engine_core_env(tensor_parallel_size, gpu)
         if gpu:
             self.kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.kwargs |= engine_args or {"enforce_eager": True}
@@ -81,7 +84,8 @@ class VLLMEngine:
             worker_extension_cls="stages.engines.vllm_worker.EngineWorker",
             **self.kwargs,
         )
-        self.llm = AsyncLLM.from_engine_args(args)
+        with environment(self.spawn_env):  # the engine-core process is spawned here and inherits it
+            self.llm = AsyncLLM.from_engine_args(args)
         if self.route_capture is not None:
             await self.route_capture.start(self.llm)
         await self.llm.update_weight_version(str(version))  # the weights in model_dir (a checkpoint's on resume)
@@ -223,10 +227,8 @@ def parallel_args(tensor_parallel_size: int, gpu: bool) -> dict[str, Any]:
     all-reduce over NCCL on GPUs (the GPUs Ray gave the replica's actor, one each) and over shared memory and gloo on
     CPU.
 
-    On CPU vLLM turns 'uni' into 'mp' (vllm/platforms/cpu.py), so one rank still has a worker process of its own,
-    bound by vLLM to its cores. VLLM_ENABLE_V1_MULTIPROCESSING=0 would keep the worker in the engine core and start
-    the engine faster, but the embedded job was not shown to learn as well that way (docs/benchmarks.md, "One CPU
-    engine's worker"), so it is left as vLLM sets it.
+    On CPU vLLM turns 'uni' into 'mp' (vllm/platforms/cpu.py) unless multiprocessing is off, so one rank would get a
+    worker process of its own; `engine_core_env` keeps it in the engine core.
 
     On CPU, vLLM binds each rank's threads to a NUMA node of its own and refuses a machine with fewer NUMA nodes than
     ranks ("Not enough allowed NUMA nodes to bind threads", vllm/utils/ompmultiprocessing.py); there the cores this
@@ -243,6 +245,35 @@ def parallel_args(tensor_parallel_size: int, gpu: bool) -> dict[str, Any]:
         if binding is not None:
             os.environ[CPU_BINDING] = binding
     return {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "mp"}
+
+
+def engine_core_env(tensor_parallel_size: int, gpu: bool) -> dict[str, str]:
+    """The environment the engine-core process is spawned with. A one-rank CPU engine: VLLM_ENABLE_V1_MULTIPROCESSING=0,
+    read there by vLLM's CPU platform, keeps the model's worker inside the engine core instead of a process of its
+    own: one process spawn and one vLLM import fewer at every start, and no hop between scheduler and worker at every
+    decode step (docs/benchmarks.md, "One CPU engine's worker"). The worker then sets no thread binding, so its
+    thread count is given as vLLM's own binding would give it: the process's cores less the one vLLM reserves for
+    the scheduler (at least one). AsyncLLM always runs the engine core in a process of its own, so the variable
+    changes nothing else; it is set only while the engine core is spawned (`environment`)."""
+    if gpu or tensor_parallel_size > 1:
+        return {}
+    threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ inside the block, the previous environment restored after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 def cpu_binding(cpus: list[int], numa_nodes: int, ranks: int) -> str | None:

@@ -6,9 +6,11 @@ measured differences are around 1e-6).
 """
 
 import math
+import os
 import time
 
 import numpy as np
+import psutil
 import pyarrow as pa
 
 from tests.waiting import wait_until
@@ -29,6 +31,27 @@ def prompts(tokenizer, texts: list[str]) -> pa.Table:
             "admitted_time": [time.time()] * len(texts),
         }
     )
+
+
+def check_the_model_runs_in_the_engine_core(ray, engine) -> None:
+    """A started one-rank CPU engine: the replica's actor has one vLLM process under it, the engine core, which runs
+    the model itself (no worker process below it), spawned with multiprocessing off and vLLM's thread count (the
+    cores less one); the actor's own environment is as it was."""
+
+    def read(stage) -> tuple[int, list[int], str | None]:
+        from stages.engines.vllm import engine_pids
+
+        return os.getpid(), engine_pids(stage.replica.engine.llm), os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+
+    actor, cores, actor_env = ray.get(engine.__ray_call__.remote(read))
+    descendants = [
+        p for p in psutil.Process(actor).children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert len(cores) == 1 and [p.pid for p in descendants] == cores, [(p.pid, p.name()) for p in descendants]
+    env = psutil.Process(cores[0]).environ()
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(cores[0])) - 1))
+    assert actor_env is None
 
 
 def decoding(ray, engine) -> int:

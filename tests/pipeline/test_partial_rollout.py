@@ -25,7 +25,13 @@ from stages.generate import VLLMGenerate
 from stages.staleness import StalenessBudget
 from stages.trainer.settings import PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
-from tests.pipeline.engine_checks import TOL, check_pushes_reach_the_engine, prompts, wait_until_decoding
+from tests.pipeline.engine_checks import (
+    TOL,
+    check_pushes_reach_the_engine,
+    check_the_model_runs_in_the_engine_core,
+    prompts,
+    wait_until_decoding,
+)
 
 MAX_TOKENS = 240
 
@@ -98,6 +104,7 @@ def test_sync_mid_response_in_abort_then_keep_mode(ray_session, tmp_path):
         return ray.get(pending)
 
     train_step(trainer, mirror)  # the mirror holds version 1's weights from here on
+    check_the_model_runs_in_the_engine_core(ray, engine)
     ids = (batch["prompt_ids"].to_pylist(), [[5, 6, 7]] * batch.num_rows)
     assert np.allclose(*ray.get([trainer.logprobs.remote(*ids), mirror.logprobs.remote(*ids)]), atol=1e-6)
     check_phase(ray, generate_across_syncs((1, 2, 3)), 0, "abort", trainer, first)

@@ -13,7 +13,7 @@ from bench.cpu_share import DRIVER, Sampler, cores_between, kind_of
     "cmdline, kind",
     [
         ("VLLM::Worker", "vLLM worker (the model)"),
-        ("VLLM::EngineCore", "vLLM engine core (scheduler)"),
+        ("VLLM::EngineCore", "vLLM engine core (scheduler; with one CPU rank also the model)"),
         ("ray::MapWorker(MapBatches(VLLMGenerate)).submit", "Generate actor (engine client)"),
         ("ray::MapWorker(MapBatches(StalenessGate))", "gate actor"),
         ("ray::MapWorker(MapBatches(Reward)->MapBatches(GRPOAdvantage))", "reward/advantage/log actors"),
