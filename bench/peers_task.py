@@ -9,7 +9,8 @@ parameters, responses up to LONG_RESPONSE tokens, and a reward that pays for lon
 A random model writes one of the 26 letter tokens (" a" .. " z") about one time in eleven and EOS about one time in
 300, so its answers run long (a geometric tail cut at LONG_RESPONSE) and score ~0.1; GRPO raises the reward by
 moving probability onto the letters and off EOS, a direction every group agrees on, so a run reaches 0.6-0.8 in
-tens of steps without a warm start. The answers stay long while it learns: generation is most of the work.
+tens of steps without a warm start. The answers stay long while it learns. Measured on 2 cores, the trainer's
+step, not generation, is most of asyncrl's step here (docs/benchmarks.md, "Against TRL").
 
 This file is imported by both sides: by asyncrl as its custom reward function (`compute_score`) and by the TRL
 side in its own virtualenv (`letters_score`); so it imports only the standard library at the top.
