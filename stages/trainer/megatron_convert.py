@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -282,3 +283,15 @@ def to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> Iterator[tuple[st
         yield hf_mlp + "up_proj.weight", up.contiguous()
     else:
         raise KeyError(f"no HF name for Megatron parameter {name}")
+
+
+def load_hf(model_dir: Path) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint's tensors (every *.safetensors file in model_dir), as float32."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(f))
+    if not state:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights for trainer.backend=megatron")
+    return {k: v.float() for k, v in state.items()}

@@ -14,10 +14,10 @@ Schedule. The micro-batches go through `get_forward_backward_func()` (1F1B witho
 Every stage builds the same inputs; the last turns its logits into per-token logprobs (and entropy) and computes
 the objective (Minibatch.loss), exactly what the hand-written CPU step computes at PP = 1.
 
-On CPU (gloo) the schedule runs with three shims besides megatron_rank.py's `_cpu_shims`, each for one CUDA-only call of
+On CPU (gloo) the schedule runs with three shims besides the rank's `cpu_shims`, each for one CUDA-only call of
 megatron-core 0.16.1:
 - pipeline_parallel/p2p_communication.py:242 (`_communicate_shapes`) and :398 call `torch.cuda.synchronize()`:
-  a no-op on CPU (stages/trainer/megatron_rank.py's `_cpu_shims`);
+  a no-op on CPU (`cpu_shims`);
 - pipeline_parallel/schedules.py:2138 makes `total_num_tokens` with `device="cuda"`: a TorchFunctionMode maps
   that device to the CPU for the schedule's duration (`cpu_schedule`);
 - models/common/language_module/language_module.py:244 moves the tied embedding's copy with `.cuda()` before
@@ -95,6 +95,19 @@ class _CudaDeviceToCpu(torch.overrides.TorchFunctionMode):
 def cpu_schedule(cuda: bool):
     """The context megatron's schedule runs in: on CPU, its tensors asked for on "cuda" are made on the CPU."""
     return contextlib.nullcontext() if cuda else _CudaDeviceToCpu()
+
+
+def cpu_shims() -> None:
+    """megatron-core asks CUDA for its device and RNG even when told to initialise on CPU."""
+    from megatron.core import tensor_parallel
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None  # the schedule's p2p calls it (the module docstring)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # Activation recompute (tensor_parallel.checkpoint) saves and restores the CUDA RNG state around a layer's second
+    # forward; on CPU there is none (the CPU generator is saved beside it, and the model has no dropout).
+    tensor_parallel.random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tensor_parallel.random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 @contextlib.contextmanager

@@ -13,16 +13,16 @@ The model is built from an HF directory's config.json (Llama/Qwen2: RMSNorm, Swi
 GQA, qkv bias for Qwen2) with megatron-core's local layer spec, and its weights are the HF safetensors sharded for
 this rank (stages/trainer/megatron_convert.py), so training starts from exactly the weights the engines serve.
 
-On CPU megatron-core trains with four shims (`_cpu_shims`): `torch.cuda.current_device` answers "cpu", an RNG
-tracker that does not fork CUDA states, no CUDA RNG state around activation recompute, and an explicit bool causal
-mask. Its optimizer hard-codes CUDA, so the update is written by hand: `finish_grad_sync`, `main_grad` -> `grad`, a
-TP- and PP-aware grad-norm clip, torch AdamW. At PP = 1 the micro-batches' forward/backward are a plain loop; at PP
-> 1 megatron's own schedule drives them (three more shims, stages/trainer/megatron_pipeline.py). A Qwen3-MoE model
-and routing replay: stages/trainer/megatron_moe.py. The objective and metrics are TorchTrainer's
-(stages/trainer/step.py); the entropy of the vocabulary-parallel logits all-reduces its max and two sums over the TP
-group. On CUDA megatron's schedule and distributed optimizer run the step (bench/gpu_check compares it with the CPU
-step at TP = PP = 1); there the parameters are bf16 by default (`dtype`), the optimizer's main weights fp32, the
-logits turned into fp32 first."""
+On CPU megatron-core trains with four shims (`cpu_shims` in stages/trainer/megatron_pipeline.py):
+`torch.cuda.current_device` answers "cpu", an RNG tracker that does not fork CUDA states, no CUDA RNG state around
+activation recompute, and an explicit bool causal mask. Its optimizer hard-codes CUDA, so the update is written by
+hand: `finish_grad_sync`, `main_grad` -> `grad`, a TP- and PP-aware grad-norm clip, torch AdamW. At PP = 1 the
+micro-batches' forward/backward are a plain loop; at PP > 1 megatron's own schedule drives them (three more shims,
+stages/trainer/megatron_pipeline.py). A Qwen3-MoE model and routing replay: stages/trainer/megatron_moe.py. The
+objective and metrics are TorchTrainer's (stages/trainer/step.py); the entropy of the vocabulary-parallel logits
+all-reduces its max and two sums over the TP group. On CUDA megatron's schedule and distributed optimizer run the step
+(bench/gpu_check compares it with the CPU step at TP = PP = 1); there the parameters are bf16 by default (`dtype`),
+the optimizer's main weights fp32, the logits turned into fp32 first."""
 
 from __future__ import annotations
 
@@ -38,39 +38,15 @@ import torch.distributed as dist
 
 from stages.trainer.loss import AggCounts, TokenForward, entropy_from_logits, sum_pi2_from_logits
 from stages.trainer.lr_schedule import apply_lr
-from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, shard
+from stages.trainer.megatron_convert import ModelShape, hf_to_megatron, load_hf, shard
 from stages.trainer.megatron_export import ModelExport
 from stages.trainer.megatron_inputs import Inputs, model_inputs
 from stages.trainer.megatron_moe import MegatronRouteReplay, layer_spec, moe_config
-from stages.trainer.megatron_pipeline import Stage, cpu_build, scheduled_logprobs, scheduled_update
+from stages.trainer.megatron_pipeline import Stage, cpu_build, cpu_shims, scheduled_logprobs, scheduled_update
 from stages.trainer.packing import pack_rows, unpack_rows
 from stages.trainer.ranks import LOOPBACK, join_world
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, MegatronRecompute, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
-
-
-def _cpu_shims() -> None:
-    """megatron-core asks CUDA for its device and RNG even when told to initialise on CPU."""
-    from megatron.core import tensor_parallel
-
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda device=None: None  # the pipeline's p2p calls it (megatron_pipeline.py)
-    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    # Activation recompute (tensor_parallel.checkpoint) saves and restores the CUDA RNG state around a layer's second
-    # forward; on CPU there is none (the CPU generator is saved beside it, and the model has no dropout).
-    tensor_parallel.random._get_cuda_rng_state = lambda *args, **kwargs: None
-    tensor_parallel.random._set_cuda_rng_state = lambda *args, **kwargs: None
-
-
-def _load_hf(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(f))
-    if not state:
-        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights for trainer.backend=megatron")
-    return {k: v.float() for k, v in state.items()}
 
 
 class MegatronRank:
@@ -110,7 +86,7 @@ class MegatronRank:
                 "needs CUDA: set actor.megatron.dtype=float32 on CPU"
             )
         if not self.cuda:
-            _cpu_shims()
+            cpu_shims()
         join_world("nccl" if self.cuda else "gloo", host, port, rank, world_size)
         tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
         parallel_state.initialize_model_parallel(tp, pp)
@@ -227,7 +203,7 @@ class MegatronRank:
     @torch.no_grad()
     def _load(self) -> None:
         """This rank's shard of every Megatron parameter of its stage, from the HF safetensors."""
-        full = hf_to_megatron(_load_hf(self.model_dir), self.shape)
+        full = hf_to_megatron(load_hf(self.model_dir), self.shape)
         names = {self.stage.global_name(n) for n, _ in self.named_params() if not self.stage.is_tied_copy(n)}
         missing = sorted(names ^ {n for n in full if self.stage.holds(n)})
         if missing:
