@@ -36,6 +36,7 @@ KINDS = [
     ("VLLM::Worker", "vLLM worker (the model)"),
     ("VllmWorker", "vLLM worker (the model)"),
     ("EngineCore", "vLLM engine core (scheduler; with one CPU rank also the model)"),
+    ("multiprocessing.forkserver", "the engine core's forkserver (start-up)"),
     ("VLLMGenerate", "Generate actor (engine client)"),
     ("Trainer", "trainer"),
     ("StalenessGate", "gate actor"),

@@ -20,6 +20,7 @@ import pyarrow as pa
 from stages.control import ClockLink, Validate, Validated
 from stages.engines.base import PauseMode, Sampling
 from stages.engines.vllm import VLLMEngine
+from stages.engines.vllm_core import CoreLauncher
 from stages.replica import VALIDATION_REPLICA, AgentSampler, Replica
 
 
@@ -57,10 +58,11 @@ class VLLMGenerate:
         `enable_rollout_routing_replay`: fill `routed_experts` (an MoE model), captured the `routed_experts_capture`
         way (stages/engines/vllm_routes.py). `top_k`: top-k sampling (-1 off). The engine's own keywords
         (`engine_args` among them): stages/engines/vllm.py."""
-        from transformers import AutoTokenizer
-
         mode = PauseMode.of(pause_mode)
         sampler = AgentSampler(default_agent_loop, max_tokens, multi_turn)  # checks the loop's name first
+        launcher = CoreLauncher(tensor_parallel_size, kv_cache_gb)  # the engine core's imports start now
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
         def engine(replica: int) -> VLLMEngine:
@@ -75,6 +77,7 @@ class VLLMGenerate:
                 ignore_eos=ignore_eos,
                 routed_experts_capture=routed_experts_capture if enable_rollout_routing_replay else None,
                 engine_args=engine_args,
+                launcher=launcher,
             )
 
         clock = None if validation_only else ClockLink(clock_name, namespace)

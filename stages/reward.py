@@ -27,7 +27,6 @@ The stage stays a plain callable class: Ray Data pickles it without its workers 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -41,6 +40,7 @@ import pyarrow as pa
 
 from schemas import SAMPLE_SCHEMA, require_columns
 from stages import math_verifier
+from stages.fate import die_with
 from stages.reward_manager import RewardManager
 from stages.verifiers import MATH_SOURCES, load_score_function, score_sample
 
@@ -50,17 +50,6 @@ Score = tuple[float, str | None, str | None]  # reward, reward_error, reward_ext
 # The parent ends of every worker's pipe in this process: a new worker closes its copies, so that a worker waiting
 # for work sees its pipe close when its parent dies, whichever worker was forked last.
 _PARENT_ENDS: set[Connection] = set()
-
-
-def _find_prctl() -> Any:
-    # Resolved here, not after a fork: dlopen in the child of a multi-threaded process can deadlock.
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux
-        return None
-
-
-_PRCTL = _find_prctl()
 
 
 class Reward:
@@ -189,7 +178,7 @@ class _Worker:
                 parent_end.close()
                 for conn in _PARENT_ENDS:
                     conn.close()
-                _die_with(parent_pid)
+                die_with(parent_pid)
                 _serve(child_end, custom_path, custom_name, reward_kwargs)
                 code = 0
             finally:
@@ -247,16 +236,6 @@ def _serve(conn: Connection, custom_path: str, custom_name: str, reward_kwargs: 
         except Exception as err:  # noqa: BLE001 - e.g. extra keys JSON cannot hold: the sample's, not the worker's
             score = (0.0, f"scoring failed: {type(err).__name__}: {err}"[:2000], None)
         conn.send(score)
-
-
-def _die_with(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux), even mid-score; elsewhere the pipe's EOF
-    ends an idle worker."""
-    if _PRCTL is None:
-        return
-    _PRCTL(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before the call above
-        os._exit(1)
 
 
 def _exit_status(pid: int) -> str:

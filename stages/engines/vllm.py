@@ -21,17 +21,16 @@ died, its processes, how it runs over several devices).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from stages.agents import Segment
 from stages.engine_busy import EngineBusy
 from stages.engines.base import Broadcast, PauseMode, Sampling, Weights
+from stages.engines.vllm_core import CoreLauncher
 from stages.engines.vllm_routes import make_route_capture
 from stages.transports import GroupAddress
 
@@ -51,6 +50,7 @@ class VLLMEngine:
         ignore_eos: bool = False,
         routed_experts_capture: str | None = None,
         engine_args: dict[str, Any] | None = None,
+        launcher: CoreLauncher | None = None,
     ) -> None:
         """`gpu_memory_utilization`: vLLM's share of its GPU (weights and KV cache); unused on CPU, where
         `kv_cache_gb` sizes the cache. `tensor_parallel_size`: the engine's TP ranks, one worker process each (on the
@@ -58,15 +58,16 @@ class VLLMEngine:
         responses, for benchmarks and tests. `dtype`: the engine's (rollout.dtype); None: bfloat16 on a GPU, float32 on
         CPU. `routed_experts_capture`: capture MoE routes that way (vllm_routes.py);
         None: no capture. `engine_args`: more of vLLM's AsyncEngineArgs (rollout.engine_args(): eager mode, chunked
-        prefill, batch limits, engine_kwargs.vllm); None: eager mode only. Route capture's own needs win over them."""
+        prefill, batch limits, engine_kwargs.vllm); None: eager mode only. Route capture's own needs win over them.
+        `launcher`: how the engine core will start (vllm_core.py), made earlier by a caller that wants its imports
+        under way; None: made here."""
         self.eos = eos_token_id(model_dir)
         self.ignore_eos = ignore_eos
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
-        gpu = on_gpu()
+        self.launcher = launcher or CoreLauncher(tensor_parallel_size, kv_cache_gb)
+        gpu = self.launcher.gpu
         dtype = dtype or ("bfloat16" if gpu else "float32")
         self.kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=seed)
         self.kwargs |= parallel_args(tensor_parallel_size, gpu)
-        self.spawn_env = engine_core_env(tensor_parallel_size, gpu)
         if gpu:
             self.kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.kwargs |= engine_args or {"enforce_eager": True}
@@ -84,7 +85,7 @@ class VLLMEngine:
             worker_extension_cls="stages.engines.vllm_worker.EngineWorker",
             **self.kwargs,
         )
-        with environment(self.spawn_env):  # the engine-core process is spawned here and inherits it
+        with self.launcher.launching():  # the engine-core process starts here
             self.llm = AsyncLLM.from_engine_args(args)
         if self.route_capture is not None:
             await self.route_capture.start(self.llm)
@@ -191,12 +192,6 @@ def engine_dead(err: BaseException) -> bool:
     return False
 
 
-def on_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def expand_spans(spans: Any, num_tokens: int, sample_id: str) -> list[int]:
     """Per-token versions from the engine's [(version, start, end)] spans."""
     if num_tokens == 0:
@@ -228,7 +223,7 @@ def parallel_args(tensor_parallel_size: int, gpu: bool) -> dict[str, Any]:
     CPU.
 
     On CPU vLLM turns 'uni' into 'mp' (vllm/platforms/cpu.py) unless multiprocessing is off, so one rank would get a
-    worker process of its own; `engine_core_env` keeps it in the engine core.
+    worker process of its own; `vllm_core.engine_core_env` keeps it in the engine core.
 
     On CPU, vLLM binds each rank's threads to a NUMA node of its own and refuses a machine with fewer NUMA nodes than
     ranks ("Not enough allowed NUMA nodes to bind threads", vllm/utils/ompmultiprocessing.py); there the cores this
@@ -245,35 +240,6 @@ def parallel_args(tensor_parallel_size: int, gpu: bool) -> dict[str, Any]:
         if binding is not None:
             os.environ[CPU_BINDING] = binding
     return {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "mp"}
-
-
-def engine_core_env(tensor_parallel_size: int, gpu: bool) -> dict[str, str]:
-    """The environment the engine-core process is spawned with. A one-rank CPU engine: VLLM_ENABLE_V1_MULTIPROCESSING=0,
-    read there by vLLM's CPU platform, keeps the model's worker inside the engine core instead of a process of its
-    own: one process spawn and one vLLM import fewer at every start, and no hop between scheduler and worker at every
-    decode step (docs/benchmarks.md, "One CPU engine's worker"). The worker then sets no thread binding, so its
-    thread count is given as vLLM's own binding would give it: the process's cores less the one vLLM reserves for
-    the scheduler (at least one). AsyncLLM always runs the engine core in a process of its own, so the variable
-    changes nothing else; it is set only while the engine core is spawned (`environment`)."""
-    if gpu or tensor_parallel_size > 1:
-        return {}
-    threads = max(1, len(os.sched_getaffinity(0)) - 1)
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ inside the block, the previous environment restored after it."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def cpu_binding(cpus: list[int], numa_nodes: int, ranks: int) -> str | None:

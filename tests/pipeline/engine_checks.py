@@ -34,9 +34,9 @@ def prompts(tokenizer, texts: list[str]) -> pa.Table:
 
 
 def check_the_model_runs_in_the_engine_core(ray, engine) -> None:
-    """A started one-rank CPU engine: the replica's actor has one vLLM process under it, the engine core, which runs
-    the model itself (no worker process below it), spawned with multiprocessing off and vLLM's thread count (the
-    cores less one); the actor's own environment is as it was."""
+    """A started one-rank CPU engine: the replica's actor has two processes under it, a forkserver and the engine
+    core forked from it, which runs the model itself (no worker process below it) with multiprocessing off and vLLM's
+    thread count (the cores less one); the actor's own environment is as it was."""
 
     def read(stage) -> tuple[int, list[int], str | None]:
         from stages.engines.vllm import engine_pids
@@ -44,10 +44,13 @@ def check_the_model_runs_in_the_engine_core(ray, engine) -> None:
         return os.getpid(), engine_pids(stage.replica.engine.llm), os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
 
     actor, cores, actor_env = ray.get(engine.__ray_call__.remote(read))
-    descendants = [
-        p for p in psutil.Process(actor).children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())
-    ]
-    assert len(cores) == 1 and [p.pid for p in descendants] == cores, [(p.pid, p.name()) for p in descendants]
+    descendants = {
+        p.pid: p for p in psutil.Process(actor).children(recursive=True) if "resource_tracker" not in p.cmdline()[-1]
+    }
+    layout = [(p.pid, p.ppid(), p.cmdline()[-1][:60]) for p in descendants.values()]
+    assert len(cores) == 1 and len(descendants) == 2 and cores[0] in descendants, layout
+    server = descendants[cores[0]].parent()
+    assert server.pid in descendants and server.ppid() == actor and "forkserver" in server.cmdline()[-1], layout
     env = psutil.Process(cores[0]).environ()
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(cores[0])) - 1))

@@ -14,6 +14,10 @@ from bench.cpu_share import DRIVER, Sampler, cores_between, kind_of
     [
         ("VLLM::Worker", "vLLM worker (the model)"),
         ("VLLM::EngineCore", "vLLM engine core (scheduler; with one CPU rank also the model)"),
+        (
+            "/v/bin/python -c from multiprocessing.forkserver import main; main(13, 14, ['vllm.v1.engine.core'], **{})",
+            "the engine core's forkserver (start-up)",
+        ),
         ("ray::MapWorker(MapBatches(VLLMGenerate)).submit", "Generate actor (engine client)"),
         ("ray::MapWorker(MapBatches(StalenessGate))", "gate actor"),
         ("ray::MapWorker(MapBatches(Reward)->MapBatches(GRPOAdvantage))", "reward/advantage/log actors"),

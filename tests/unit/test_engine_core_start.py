@@ -1,0 +1,82 @@
+"""How a vLLM engine's core process starts (stages/engines/vllm_core.py), without vLLM: which engines get a
+forkserver and with what environment, and that a process forked from that server dies with it (the server is the
+actor's child, the core its grandchild: out of reach of Ray's clean-up of a dead worker's children).
+tests/pipeline/test_partial_rollout.py checks the layout of a real engine."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stages.engines.vllm_core import engine_core_env, environment
+from tests.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A parent that forks two children from its forkserver (preloading nothing): one a CoreProcess, one a plain
+# forkserver process, each printing its pid and parent's pid, then waiting forever.
+SCRIPT = """
+import multiprocessing, os, sys, threading
+from multiprocessing.context import ForkServerContext
+from stages.engines.vllm_core import CoreContext
+
+def report(name):
+    print(name, os.getpid(), os.getppid(), flush=True)
+    threading.Event().wait()
+
+if __name__ == "__main__":
+    for context in (CoreContext(), ForkServerContext()):
+        context.set_forkserver_preload([])
+        context.Process(target=report, args=(type(context).__name__,), daemon=True).start()
+    threading.Event().wait()
+"""
+
+
+@pytest.fixture
+def forked(tmp_path):
+    (tmp_path / "forks.py").write_text(SCRIPT)  # a file: the children import their target from it
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "forks.py"], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    lines = [parent.stdout.readline().split() for _ in range(2)]
+    children = {name: (int(pid), int(ppid)) for name, pid, ppid in lines}
+    yield parent, children
+    for pid, _ in children.values():  # ours, started above
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    parent.kill()
+    parent.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_core_forked_from_the_server_dies_with_it_and_a_plain_fork_does_not(forked):
+    parent, children = forked
+    (core, server), (plain, plain_server) = children["CoreContext"], children["ForkServerContext"]
+    assert server == plain_server != parent.pid and psutil.Process(server).ppid() == parent.pid
+    os.kill(server, signal.SIGKILL)
+    wait_until(lambda: not alive(core), 10, "the core ending with its forkserver", poll_s=0.05)
+    assert alive(plain)  # what the core would do without CoreProcess: run on, orphaned
+
+
+def test_only_a_one_rank_cpu_engine_gets_an_environment_of_its_own():
+    threads = str(max(1, len(os.sched_getaffinity(0)) - 1))
+    assert engine_core_env(1, gpu=False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": threads}
+    assert engine_core_env(2, gpu=False) == {} and engine_core_env(1, gpu=True) == {}
+
+
+def test_the_environment_holds_inside_the_block_and_is_restored_after_it(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    with environment({"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
+        assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["OMP_NUM_THREADS"] == "7" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
