@@ -121,12 +121,20 @@ def test_every_clock_call_a_stage_makes_exists_on_the_clock():
 
 # Rooms inside stages/ and what each may import of stages/ besides itself (schemas/ always): the transports need
 # torch alone (a pair runs without the rest), the control plane only names the transports' types, an engine knows
-# nothing of the replica above it, and the replica knows engines only through their interface.
+# nothing of the replica above it (its core process dies with its parent as the reward workers do: stages.fate), and
+# the replica knows engines only through their interface.
 ROOMS = {
     "stages.ray_internals": set(),
     "stages.transports": set(),
+    "stages.fate": set(),
     "stages.control": {"stages.transports"},
-    "stages.engines": {"stages.agents", "stages.engine_busy", "stages.transports", "stages.sim.workload"},
+    "stages.engines": {
+        "stages.agents",
+        "stages.engine_busy",
+        "stages.fate",
+        "stages.transports",
+        "stages.sim.workload",
+    },
     "stages.replica": {"stages.agents", "stages.control", "stages.engines.base"},
 }
 
