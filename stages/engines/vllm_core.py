@@ -19,7 +19,6 @@ import contextlib
 import os
 from collections.abc import Iterator
 from multiprocessing.context import ForkServerContext, ForkServerProcess
-from typing import Any
 
 from stages.fate import die_with
 
@@ -101,7 +100,7 @@ def forkserver(env: dict[str, str]) -> CoreContext:
 
 
 @contextlib.contextmanager
-def vllm_context(context: Any) -> Iterator[None]:
+def vllm_context(context: CoreContext | None) -> Iterator[None]:
     """vLLM's engine-core launcher (vllm/v1/engine/utils.py, CoreEngineProcManager) takes its multiprocessing context
     from `get_mp_context` at each launch: inside the block it gets `context` (None: vLLM's own)."""
     if context is None:

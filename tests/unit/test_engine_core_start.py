@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # A parent that forks two children from its forkserver (preloading nothing): one a CoreProcess, one a plain
 # forkserver process, each printing its pid and parent's pid, then waiting forever.
 SCRIPT = """
-import multiprocessing, os, sys, threading
+import os, threading
 from multiprocessing.context import ForkServerContext
 from stages.engines.vllm_core import CoreContext
 
