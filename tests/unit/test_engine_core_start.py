@@ -19,14 +19,15 @@ from tests.waiting import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 
 # A parent that forks two children from its forkserver (preloading nothing): one a CoreProcess, one a plain
-# forkserver process, each printing its pid and parent's pid, then waiting forever.
+# forkserver process, each writing its pid and parent's pid, then waiting forever. One os.write per line: print's
+# pieces from two processes interleave on the shared pipe.
 SCRIPT = """
 import os, threading
 from multiprocessing.context import ForkServerContext
 from stages.engines.vllm_core import CoreContext
 
 def report(name):
-    print(name, os.getpid(), os.getppid(), flush=True)
+    os.write(1, f"{name} {os.getpid()} {os.getppid()}\\n".encode())
     threading.Event().wait()
 
 if __name__ == "__main__":
