@@ -1,8 +1,9 @@
 """Everything a run needs before the stream starts: run directory, model, prompts, Ray, the control actors.
 
-Input errors (missing model or data, malformed rows) surface here, before Ray starts, as one clear message. For the
-training prompts that is every check that takes seconds whatever the file's size (pipeline/tasks/source.py); the
-rest of each row is checked when the stream reads it, and a bad one there fails the run with the same message.
+Input errors (missing model or data, malformed rows) surface here, before the stream starts, as one clear message
+(the prompt files are read while Ray starts; a Ray started for the run stops again when they fail). For the training
+prompts that is every check that takes seconds whatever the file's size (pipeline/tasks/source.py); the rest of each
+row is checked when the stream reads it, and a bad one there fails the run with the same message.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from pipeline.observe.monitor import Monitor, make_monitor
 from pipeline.stream import check_layout
 from pipeline.tasks.admission import AdmissionOrder, PromptSource
 from pipeline.tasks.model_overrides import apply_overrides
-from pipeline.tasks.source import PromptDataError, PromptFile, PromptOptions, load_prompts
+from pipeline.tasks.source import PromptDataError, PromptFile, PromptOptions, check_prompt_file, load_prompts
 from stages import ray_internals
 from stages.staleness import StalenessBudget
 
@@ -332,13 +334,12 @@ def _on_loopback(address: str) -> bool:
 
 
 def prepare(cfg: RunConfig) -> RunContext:
-    from transformers import AutoTokenizer
-
     checkpoint.resolve_auto_resume(cfg)  # trainer.resume_mode=auto
     run_dir = make_run_dir(cfg)
     # Rewind before the monitor appends to metrics.jsonl; the monitor next: a bad tracking store fails in seconds.
     resumed = _rewind(cfg, run_dir) if cfg.resume else None
     monitor = make_monitor(cfg, run_dir)
+    started = False
     try:
         optimizer_state = None
         if resumed:
@@ -354,20 +355,35 @@ def prepare(cfg: RunConfig) -> RunContext:
         if cfg.trainer.backend == "megatron":
             check_megatron(cfg, model_dir)
         check_reward_sources(cfg.reward)  # a reward model's directory, a remote service that answers
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        source = prompt_source(cfg, data_file, tokenizer, resumed)
-        val_prompts = load_val_prompts(cfg, run_dir, tokenizer)
+        check_prompt_file(data_file)  # the common mistake, said before Ray starts
+        # The prompts (transformers' import, seconds) are read beside Ray's start, which mostly waits on its daemons.
+        # Ray starts here, in the main thread: its daemons die with the thread that started them.
+        with ThreadPoolExecutor(1, thread_name_prefix="asyncrl-prompts") as pool:
+            prompts = pool.submit(read_prompts, cfg, run_dir, model_dir, data_file, resumed)
+            started = start_ray(cfg, run_dir)
+            source, val_prompts = prompts.result()
         if not resumed:  # only now: every input above is checked before the tens of seconds it takes
             warm_start_embedded(cfg, model_dir, run_dir)
-        started = start_ray(cfg, run_dir)
         where = _checked_layout(cfg, started)
     except BaseException:
+        if started and ray.is_initialized():  # bad prompts: the Ray that started beside their checks stops
+            ray.shutdown()
         monitor.close("FAILED")
         raise
     namespace = f"asyncrl-{run_dir.name}"
     return RunContext(
         cfg, run_dir, model_dir, source, namespace, monitor, where, started, resumed, optimizer_state, val_prompts
     )
+
+
+def read_prompts(
+    cfg: RunConfig, run_dir: Path, model_dir: Path, data_file: str, resumed: Checkpoint | None
+) -> tuple[PromptSource, pa.Table | None]:
+    """The training prompts and the held-out ones, checked with the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return prompt_source(cfg, data_file, tokenizer, resumed), load_val_prompts(cfg, run_dir, tokenizer)
 
 
 def _checked_layout(cfg: RunConfig, started_ray: bool) -> Placement:

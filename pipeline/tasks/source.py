@@ -1,13 +1,14 @@
 """Prompt files: read one, check what can be checked in seconds, validate and tokenize rows when they are used.
 
 Bad data is reported once with the file, the row, the column and the fix. Before the run spends anything (the warm
-start, Ray) `PromptFile` reads the file and checks that it exists and parses, has its format's columns and rows,
-that every agent_name is a registered loop, and, with Arrow's kernels over every row, that no row has a null, an
-empty string, an empty message list or a column of a type the rules refuse; the first `SAMPLE_ROWS` rows are then
-validated and tokenized in full. That takes seconds for a million rows, where tokenizing them all takes minutes. The
-other rows are validated and tokenized by `PromptFile.checked` when the stream reaches them
-(pipeline/tasks/admission.py), with the same rules and messages: a row that only tokenizing can find bad (too long,
-a chat template that refuses it) stops the run there, naming the file and the row.
+start, the stream; Ray starts meanwhile) `PromptFile` reads the file and checks that it exists and parses, has its
+format's columns and rows, that every agent_name is a registered loop, and, with Arrow's kernels over every row, that
+no row has a null, an empty string, an empty message list or a column of a type the rules refuse; the first
+`SAMPLE_ROWS` rows are then validated and tokenized in full (every row of a file of at most `WHOLE_FILE_ROWS`). That
+takes seconds for a million rows, where tokenizing them all takes minutes. The other rows are validated and tokenized
+by `PromptFile.checked` when the stream reaches them (pipeline/tasks/admission.py), with the same rules and messages:
+a row that only tokenizing can find bad (too long, a chat template that refuses it) stops the run there, naming the
+file and the row.
 
 Two formats are read as they are, told apart by their columns:
 
@@ -50,6 +51,7 @@ from stages.agents import AGENT_LOOP_NAMES, UnknownAgentError, check_agent_name
 REQUIRED = ("prompt_text", "ground_truth", "data_source")
 VERL_REQUIRED = ("prompt", "data_source", "reward_model")
 SAMPLE_ROWS = 1000  # rows validated and tokenized before the run starts; the others when the stream reaches them
+WHOLE_FILE_ROWS = 10_000  # a file of at most this many rows is validated and tokenized whole before the run starts
 MESSAGES_HINT = 'a list of chat messages like [{"role": "user", "content": "..."}]'
 
 _TYPES = {c.name: c.type for c in PROMPT_COLUMNS}
@@ -68,7 +70,8 @@ class PromptDataError(ValueError):
         return self.message
 
 
-def read_prompt_file(path: str) -> pa.Table:
+def check_prompt_file(path: str) -> None:
+    """That a prompt file exists and has a suffix it can be read by: in milliseconds, before anything slow starts."""
     fs, root = fsspec.core.url_to_fs(path)
     if not fs.exists(root):
         raise PromptDataError(
@@ -76,15 +79,21 @@ def read_prompt_file(path: str) -> pa.Table:
             f"(or 'embedded' for the built-in task)."
         )
     suffix = PurePath(root).suffix.lower()
+    if suffix not in (".parquet", ".jsonl", ".json"):
+        raise PromptDataError(f"data file {path} has suffix {suffix!r}; use .parquet or .jsonl")
+
+
+def read_prompt_file(path: str) -> pa.Table:
+    check_prompt_file(path)
+    fs, root = fsspec.core.url_to_fs(path)
+    suffix = PurePath(root).suffix.lower()
     with fs.open(root, "rb") as f:
         try:
             if suffix == ".parquet":
                 return pq.read_table(f)
-            if suffix in (".jsonl", ".json"):
-                return pj.read_json(f)
+            return pj.read_json(f)
         except (pa.ArrowInvalid, OSError) as err:
             raise PromptDataError(f"data file {path} cannot be read as {suffix[1:]}: {err}") from None
-    raise PromptDataError(f"data file {path} has suffix {suffix!r}; use .parquet or .jsonl")
 
 
 def _required_columns(table: pa.Table, path: str) -> tuple[str, ...]:
@@ -236,6 +245,7 @@ class PromptFile:
         # pickles (to the read task, through Ray's object store) with its whole buffer, 8x the table for 8 groups.
         self.table = table.select(keep).combine_chunks()
         self.path, self.tokenizer = path, tokenizer
+        self.tokenized: pa.Table | None = None  # every row checked (`check_up_front` on a small file)
         self.max_prompt_length, self.default_agent_loop = max_prompt_length, default_agent_loop
         self._check_agent_names()
         self.filtered = self._filter_overlong() if self.options.filter_overlong else 0
@@ -244,19 +254,32 @@ class PromptFile:
     def num_rows(self) -> int:
         return self.table.num_rows
 
-    def check_up_front(self, sample_rows: int = SAMPLE_ROWS) -> PromptFile:
+    def check_up_front(self, sample_rows: int = SAMPLE_ROWS, whole_file_rows: int = WHOLE_FILE_ROWS) -> PromptFile:
         """What can be checked in seconds whatever the file's size, before anything is spent on the run: every row
         Arrow's kernels find suspect (a null, an empty string, a column of the wrong type) goes through the row
-        rules, and the first `sample_rows` rows are validated and tokenized in full. Returns self."""
-        sample = np.arange(min(sample_rows, self.num_rows))
+        rules, and the first `sample_rows` rows are validated and tokenized in full. A file of at most
+        `whole_file_rows` rows is validated and tokenized whole: its rows are then served from that table, and the
+        file travels to the stream's read task without its tokenizer (no transformers import there). Returns self."""
+        whole = self.num_rows <= whole_file_rows
+        sample = np.arange(self.num_rows if whole else min(sample_rows, self.num_rows))
         self._rule_checked(np.union1d(sample, _suspect_rows(self.table, self.required)))
-        self.checked(sample)
+        checked = self.checked(sample)
+        if whole:
+            self.tokenized = checked
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self.tokenized is not None:  # every row is in it: nothing left to tokenize
+            state["tokenizer"] = None
+        return state
 
     def checked(self, rows: np.ndarray) -> pa.Table:
         """The rows (numbers in the file), in this order, validated and tokenized: prompt_text, prompt_ids,
         ground_truth, data_source, agent_name. A bad row raises PromptDataError naming the file and the row."""
         rows = np.asarray(rows, np.int64)
+        if self.tokenized is not None:
+            return self.tokenized.take(pa.array(rows, pa.int64()))
         checked = self._rule_checked(rows)
         ids = []
         for i, row in zip(rows.tolist(), checked, strict=True):

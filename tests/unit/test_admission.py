@@ -51,15 +51,21 @@ def eager_blocks(prompts: pa.Table, total: int, block_rows: int, seed: int, skip
     return [table.slice(i, block_rows) for i in range(0, table.num_rows, block_rows)] + [end_block()]
 
 
-def source(path: str, total: int, block_rows: int, seed: int = 3, skip: frozenset[str] = frozenset()) -> PromptSource:
-    prompts = PromptFile(path, WordTokenizer(), 16, "single_turn_agent").check_up_front()
+def source(
+    path: str, total: int, block_rows: int, seed: int = 3, skip: frozenset[str] = frozenset(), whole: bool = False
+) -> PromptSource:
+    """`whole`: the file checked whole up front (a small file's way); else tokenized as the blocks are read."""
+    prompts = PromptFile(path, WordTokenizer(), 16, "single_turn_agent").check_up_front(
+        sample_rows=3, whole_file_rows=10**9 if whole else 0
+    )
     return PromptSource(prompts, AdmissionOrder(prompts.num_rows, total, seed, skip), block_rows)
 
 
 @pytest.mark.parametrize("chunk_rows", [5, 2048])  # chunks that cross epochs and blocks; one chunk for it all
 @pytest.mark.parametrize(("total", "block_rows"), [(23, 3), (21, 7), (5, 2), (40, 4)])
 @pytest.mark.parametrize("skipped", ["none", "some", "all"])
-def test_lazy_blocks_are_the_eager_blocks(tmp_path, monkeypatch, chunk_rows, total, block_rows, skipped):
+@pytest.mark.parametrize("whole", [False, True])
+def test_lazy_blocks_are_the_eager_blocks(tmp_path, monkeypatch, chunk_rows, total, block_rows, skipped, whole):
     monkeypatch.setattr(admission, "CHUNK_ROWS", chunk_rows)
     path = write(tmp_path, 7)
     loaded = load_prompts(path, WordTokenizer(), 16)
@@ -67,7 +73,7 @@ def test_lazy_blocks_are_the_eager_blocks(tmp_path, monkeypatch, chunk_rows, tot
     # A skip id this layout cannot produce (another epoch, another spelling) changes nothing, as before.
     skip = {"none": [], "some": [*ids[1::3], "e99-000001", "e0-1", "junk"], "all": ids}[skipped]
     expected = eager_blocks(loaded, total, block_rows, 3, frozenset(skip))
-    got = list(source(path, total, block_rows, skip=frozenset(skip)).blocks())
+    got = list(source(path, total, block_rows, skip=frozenset(skip), whole=whole).blocks())
     assert [b.num_rows for b in got] == [b.num_rows for b in expected]
     for lazy, eager in zip(got, expected, strict=True):
         assert lazy.equals(eager), (lazy.to_pydict(), eager.to_pydict())
@@ -120,6 +126,17 @@ def test_a_bad_row_that_only_reading_finds_fails_with_the_row(tmp_path):
             pass
     assert str(info.value) == str(eager.value)
     assert f"data file {path}, row 2999: prompt has 40 tokens" in str(info.value)
+
+
+def test_a_small_file_is_checked_whole_and_travels_without_its_tokenizer(tmp_path):
+    path = write(tmp_path, 3000, rows={2999: {"prompt_text": "word " * 40}})
+    with pytest.raises(PromptDataError, match="row 2999: prompt has 40 tokens"):  # the defaults: 3,000 rows is small
+        PromptFile(path, WordTokenizer(), 16, "single_turn_agent").check_up_front()
+    path = write(tmp_path, 50)
+    travelled = pickle.loads(pickle.dumps(source(path, total=120, block_rows=8, whole=True)))
+    assert travelled.prompts.tokenizer is None  # the read task imports no tokenizer's library
+    lazy = source(path, total=120, block_rows=8)
+    assert all(a.equals(b) for a, b in zip(travelled.blocks(), lazy.blocks(), strict=True))
 
 
 @pytest.mark.parametrize(

@@ -81,3 +81,21 @@ def test_the_environment_holds_inside_the_block_and_is_restored_after_it(monkeyp
     with environment({"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}):
         assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert os.environ["OMP_NUM_THREADS"] == "7" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+
+
+def test_a_cpu_build_of_torch_is_known_without_importing_torch():
+    probe = "import sys; from stages.engines.vllm_core import on_gpu; print(on_gpu(), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_another_build_of_torch_is_asked_for_its_devices(monkeypatch):
+    from importlib import metadata
+
+    import torch
+
+    from stages.engines import vllm_core
+
+    monkeypatch.setattr(metadata, "version", lambda name: "2.13.0")  # as a CUDA wheel from PyPI names itself
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vllm_core.on_gpu() is True
