@@ -1,9 +1,10 @@
 """Everything a run needs before the stream starts: run directory, model, prompts, Ray, the control actors.
 
-Input errors (missing model or data, malformed rows) surface here, before the stream starts, as one clear message
-(the prompt files are read while Ray starts; a Ray started for the run stops again when they fail). For the training
-prompts that is every check that takes seconds whatever the file's size (pipeline/tasks/source.py); the rest of each
-row is checked when the stream reads it, and a bad one there fails the run with the same message.
+Input errors (missing model or data, malformed rows) surface here, before the stream starts, as one clear message:
+a missing path before Ray starts, the rest while it starts (the model built and checked, the prompts read with its
+tokenizer), and a Ray started for the run stops again when they fail. For the training prompts that is every check
+that takes seconds whatever the file's size (pipeline/tasks/source.py); the rest of each row is checked when the
+stream reads it, and a bad one there fails the run with the same message.
 """
 
 from __future__ import annotations
@@ -152,22 +153,29 @@ def make_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
-def prepare_model(cfg: RunConfig, run_dir: Path) -> tuple[Path, str]:
-    """The model directory and the prompt file; builds the embedded ones (a random model and its tokenizer, in
-    milliseconds) when asked. Their warm start is `warm_start_embedded`, once every input has been checked."""
-    if cfg.model.path != "embedded":
-        model_dir = Path(cfg.model.path)
-        if not (model_dir / "config.json").exists():
-            raise FileNotFoundError(
-                f"model.path {model_dir} has no config.json: point it at an HF model directory "
-                f"or use model.path=embedded"
-            )
-        if cfg.data.train_files == "embedded":
+def check_paths(cfg: RunConfig) -> None:
+    """The model directory and the prompt file the config names exist: in milliseconds, before Ray starts."""
+    if cfg.model.path != "embedded" and not (Path(cfg.model.path) / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path {cfg.model.path} has no config.json: point it at an HF model directory "
+            f"or use model.path=embedded"
+        )
+    if cfg.data.train_files == "embedded":
+        if cfg.model.path != "embedded":
             raise PromptDataError(
                 "data.train_files=embedded needs model.path=embedded (its tokenizer is built "
                 "with the task); set data.train_files to your prompt file"
             )
-        return model_dir, cfg.data.train_files
+    else:
+        check_prompt_file(cfg.data.train_files)
+
+
+def prepare_model(cfg: RunConfig, run_dir: Path) -> tuple[Path, str]:
+    """The model directory and the prompt file (`check_paths` first); builds the embedded ones (a random model and
+    its tokenizer, in seconds) when asked. Their warm start is `warm_start_embedded`, once every input has been
+    checked."""
+    if cfg.model.path != "embedded":
+        return Path(cfg.model.path), cfg.data.train_files
     from pipeline.tasks.embedded import build_embedded
 
     d = cfg.data
@@ -341,32 +349,22 @@ def prepare(cfg: RunConfig) -> RunContext:
     monitor = make_monitor(cfg, run_dir)
     started = False
     try:
-        optimizer_state = None
         if resumed:
             (model_dir, optimizer_state), data_file = checkpoint.fetch(resumed, run_dir), _resumed_data(cfg, run_dir)
         else:
-            model_dir, data_file = prepare_model(cfg, run_dir)
-            embedded = cfg.model.path == "embedded"  # built in the run directory: overridden in place
-            model_dir = apply_overrides(model_dir, dict(cfg.model.override_config), run_dir, in_place=embedded)
-        if cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate":
-            check_context(cfg, model_dir)
-        if cfg.rollout.enable_rollout_routing_replay:
-            check_moe(model_dir)
-        if cfg.trainer.backend == "megatron":
-            check_megatron(cfg, model_dir)
-        check_reward_sources(cfg.reward)  # a reward model's directory, a remote service that answers
-        check_prompt_file(data_file)  # the common mistake, said before Ray starts
-        # The prompts (transformers' import, seconds) are read beside Ray's start, which mostly waits on its daemons.
-        # Ray starts here, in the main thread: its daemons die with the thread that started them.
-        with ThreadPoolExecutor(1, thread_name_prefix="asyncrl-prompts") as pool:
-            prompts = pool.submit(read_prompts, cfg, run_dir, model_dir, data_file, resumed)
+            check_paths(cfg)  # the common mistakes, said before Ray starts
+            model_dir, optimizer_state, data_file = None, None, ""
+        # The model's build and checks and the prompts' (transformers' import: seconds) run beside Ray's start, which
+        # mostly waits on its daemons. Ray starts in the main thread: its daemons die with the thread that started them.
+        with ThreadPoolExecutor(1, thread_name_prefix="asyncrl-inputs") as pool:
+            inputs = pool.submit(checked_inputs, cfg, run_dir, resumed, model_dir, data_file)
             started = start_ray(cfg, run_dir)
-            source, val_prompts = prompts.result()
+            model_dir, source, val_prompts = inputs.result()
         if not resumed:  # only now: every input above is checked before the tens of seconds it takes
             warm_start_embedded(cfg, model_dir, run_dir)
         where = _checked_layout(cfg, started)
     except BaseException:
-        if started and ray.is_initialized():  # bad prompts: the Ray that started beside their checks stops
+        if started and ray.is_initialized():  # a bad input found beside Ray's start: the Ray it started stops
             ray.shutdown()
         monitor.close("FAILED")
         raise
@@ -376,14 +374,26 @@ def prepare(cfg: RunConfig) -> RunContext:
     )
 
 
-def read_prompts(
-    cfg: RunConfig, run_dir: Path, model_dir: Path, data_file: str, resumed: Checkpoint | None
-) -> tuple[PromptSource, pa.Table | None]:
-    """The training prompts and the held-out ones, checked with the model's tokenizer."""
+def checked_inputs(
+    cfg: RunConfig, run_dir: Path, resumed: Checkpoint | None, model_dir: Path | None, data_file: str
+) -> tuple[Path, PromptSource, pa.Table | None]:
+    """The model (a resumed run's `model_dir`, else built or found, its overrides applied), checked against the
+    config, and the training and held-out prompts read with its tokenizer."""
+    if not resumed:
+        model_dir, data_file = prepare_model(cfg, run_dir)
+        embedded = cfg.model.path == "embedded"  # built in the run directory: overridden in place
+        model_dir = apply_overrides(model_dir, dict(cfg.model.override_config), run_dir, in_place=embedded)
+    if cfg.stages.generate["_target_"] == "stages.generate.VLLMGenerate":
+        check_context(cfg, model_dir)
+    if cfg.rollout.enable_rollout_routing_replay:
+        check_moe(model_dir)
+    if cfg.trainer.backend == "megatron":
+        check_megatron(cfg, model_dir)
+    check_reward_sources(cfg.reward)  # a reward model's directory, a remote service that answers
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return prompt_source(cfg, data_file, tokenizer, resumed), load_val_prompts(cfg, run_dir, tokenizer)
+    return model_dir, prompt_source(cfg, data_file, tokenizer, resumed), load_val_prompts(cfg, run_dir, tokenizer)
 
 
 def _checked_layout(cfg: RunConfig, started_ray: bool) -> Placement:
