@@ -16,6 +16,7 @@ GPU engines and TP > 1 engines keep vLLM's own start: neither has run the forkse
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from multiprocessing.context import ForkServerContext, ForkServerProcess
@@ -84,10 +85,13 @@ def on_gpu() -> bool:
 
 class CoreProcess(ForkServerProcess):
     """A process forked from the forkserver that dies with it (one that died between the fork and `run` is not
-    caught: the core would then run on with no client)."""
+    caught: the core would then run on with no client). What it inherits from the server (vLLM's modules) is frozen
+    out of the garbage collector's sight: the engine core collects several times while it starts, each a pass over
+    every object it holds (docs/benchmarks.md, "The engine core's start")."""
 
     def run(self) -> None:
         die_with(os.getppid())
+        gc.freeze()
         super().run()
 
 

@@ -19,15 +19,16 @@ from tests.waiting import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 
 # A parent that forks two children from its forkserver (preloading nothing): one a CoreProcess, one a plain
-# forkserver process, each writing its pid and parent's pid, then waiting forever. One os.write per line: print's
-# pieces from two processes interleave on the shared pipe.
+# forkserver process, each writing its pid, its parent's pid and how many objects it found frozen out of the garbage
+# collector's sight, then waiting forever. One os.write per line: print's pieces from two processes interleave on the
+# shared pipe.
 SCRIPT = """
-import os, threading
+import gc, os, threading
 from multiprocessing.context import ForkServerContext
 from stages.engines.vllm_core import CoreContext
 
 def report(name):
-    os.write(1, f"{name} {os.getpid()} {os.getppid()}\\n".encode())
+    os.write(1, f"{name} {os.getpid()} {os.getppid()} {gc.get_freeze_count()}\\n".encode())
     threading.Event().wait()
 
 if __name__ == "__main__":
@@ -44,9 +45,9 @@ def forked(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     parent = subprocess.Popen([sys.executable, "forks.py"], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     lines = [parent.stdout.readline().split() for _ in range(2)]
-    children = {name: (int(pid), int(ppid)) for name, pid, ppid in lines}
+    children = {name: (int(pid), int(ppid), int(frozen)) for name, pid, ppid, frozen in lines}
     yield parent, children
-    for pid, _ in children.values():  # ours, started above
+    for pid, *_ in children.values():  # ours, started above
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     parent.kill()
@@ -62,11 +63,16 @@ def alive(pid: int) -> bool:
 
 def test_a_core_forked_from_the_server_dies_with_it_and_a_plain_fork_does_not(forked):
     parent, children = forked
-    (core, server), (plain, plain_server) = children["CoreContext"], children["ForkServerContext"]
+    (core, server, _), (plain, plain_server, _) = children["CoreContext"], children["ForkServerContext"]
     assert server == plain_server != parent.pid and psutil.Process(server).ppid() == parent.pid
     os.kill(server, signal.SIGKILL)
     wait_until(lambda: not alive(core), 10, "the core ending with its forkserver", poll_s=0.05)
     assert alive(plain)  # what the core would do without CoreProcess: run on, orphaned
+
+
+def test_a_core_starts_with_what_it_inherited_frozen_out_of_the_collectors_sight(forked):
+    _, children = forked
+    assert children["CoreContext"][2] > 10_000 and children["ForkServerContext"][2] == 0
 
 
 def test_only_a_one_rank_cpu_engine_gets_an_environment_of_its_own():
