@@ -70,8 +70,9 @@ class PromptDataError(ValueError):
         return self.message
 
 
-def check_prompt_file(path: str) -> None:
-    """That a prompt file exists and has a suffix it can be read by: in milliseconds, before anything slow starts."""
+def check_prompt_file(path: str) -> tuple[Any, str, str]:
+    """That a prompt file exists and has a suffix it can be read by, in milliseconds, before anything slow starts:
+    its filesystem, its path there and its suffix."""
     fs, root = fsspec.core.url_to_fs(path)
     if not fs.exists(root):
         raise PromptDataError(
@@ -81,12 +82,11 @@ def check_prompt_file(path: str) -> None:
     suffix = PurePath(root).suffix.lower()
     if suffix not in (".parquet", ".jsonl", ".json"):
         raise PromptDataError(f"data file {path} has suffix {suffix!r}; use .parquet or .jsonl")
+    return fs, root, suffix
 
 
 def read_prompt_file(path: str) -> pa.Table:
-    check_prompt_file(path)
-    fs, root = fsspec.core.url_to_fs(path)
-    suffix = PurePath(root).suffix.lower()
+    fs, root, suffix = check_prompt_file(path)
     with fs.open(root, "rb") as f:
         try:
             if suffix == ".parquet":
