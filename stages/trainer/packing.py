@@ -16,7 +16,8 @@ computes the N real ones. Three parts:
   tokens, spread back to (B, T) rows.
 
 MoE routing replay packs its (B, S, ...) routes the same way (`pack_context`) and unpacks the per-token maps
-(`unpack_context`). Sliding-window attention layers are refused: the per-sequence path has no window.
+(`unpack_context`). A sliding-window layer (a Qwen2/Mistral config's `sliding_window`) attends within its window
+in each sequence, on both paths.
 """
 
 from __future__ import annotations
@@ -156,23 +157,26 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
 
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(
-            "model.use_remove_padding packs sequences with full causal attention; this model has sliding-window "
-            "attention layers: set model.use_remove_padding=false"
-        )
+    window = kwargs.pop("sliding_window", None)
     half = _half_dtype(query)
     if half is not None and _varlen() is not None:
         q, k, v = (t.to(half) for t in (query, key, value))
-        return _varlen_attention(q, k, v, cu_seq_lens_q, int(max_length_q), kwargs), None
+        return _varlen_attention(q, k, v, cu_seq_lens_q, int(max_length_q), window, kwargs), None
     kwargs.pop("is_causal", None)
-    pieces = [
-        sdpa_attention_forward(
-            module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, is_causal=True, **kwargs
-        )[0]
-        for a, b in itertools.pairwise(cu_seq_lens_q.tolist())
-    ]
+    pieces = []
+    for a, b in itertools.pairwise(cu_seq_lens_q.tolist()):
+        mask = None if window is None or b - a <= window else _window_mask(b - a, window, query.device)
+        q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
+        pieces.append(sdpa_attention_forward(module, q, k, v, mask, is_causal=mask is None, **kwargs)[0])
     return torch.cat(pieces, dim=1), None
+
+
+def _window_mask(n: int, window: int, device) -> torch.Tensor:
+    """(1, 1, n, n) True where query i may attend key j: causal and within the window, 0 <= i - j < window, as
+    transformers' sliding-window mask has it."""
+    i = torch.arange(n, device=device)
+    gap = i[:, None] - i[None, :]
+    return ((gap >= 0) & (gap < window))[None, None]
 
 
 def _half_dtype(query: torch.Tensor) -> torch.dtype | None:
@@ -193,8 +197,9 @@ def _varlen():
     return varlen_attn
 
 
-def _varlen_attention(query, key, value, cu_seqlens, longest: int, kwargs: dict) -> torch.Tensor:
-    """(1, N, H, D) causal attention within each sequence by torch's varlen flash kernel, in its (N, H, D) layout."""
+def _varlen_attention(query, key, value, cu_seqlens, longest: int, window: int | None, kwargs: dict) -> torch.Tensor:
+    """(1, N, H, D) causal attention within each sequence (within `window` tokens back when given) by torch's varlen
+    flash kernel, in its (N, H, D) layout."""
     varlen_attn = _varlen()
     params = inspect.signature(varlen_attn).parameters
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
@@ -206,7 +211,12 @@ def _varlen_attention(query, key, value, cu_seqlens, longest: int, kwargs: dict)
         else:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if "window_size" in params:
-        extra["window_size"] = (-1, 0)  # causal
+        extra["window_size"] = (-1 if window is None else window - 1, 0)  # causal: (left, right) of each query
+    elif window is not None:
+        raise ValueError(
+            "model.use_remove_padding on a GPU with sliding-window attention layers needs a torch whose varlen "
+            "attention takes window_size: a newer torch, or model.use_remove_padding=false"
+        )
     else:
         extra["is_causal"] = True
     out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, **extra)

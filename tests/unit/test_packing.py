@@ -6,8 +6,11 @@ on the embedded model's shape and a batch of very different lengths (1 to 200 re
 - MoE routing replay: the same replayed and changed route counts, per token;
 - the reference model's logprobs;
 - activation checkpointing (model.enable_gradient_checkpointing): the same gradients;
-- a bf16 trainer (mixed_precision.param_dtype) runs its packed forward under its autocast, as its padded one.
+- a bf16 trainer (mixed_precision.param_dtype) runs its packed forward under its autocast, as its padded one;
+- a model with sliding-window layers: each attends within its window in each packed sequence.
 """
+
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +20,7 @@ import torch
 from pipeline.tasks.embedded import build_model
 from stages.ref_logprob import RefLogprob
 from stages.trainer import packing
-from stages.trainer.packing import pack, packed_attention
+from stages.trainer.packing import pack
 from stages.trainer.precision import MixedPrecision
 from stages.trainer.settings import ExecutionSettings, PolicySettings, RouterReplaySettings
 from stages.trainer.step import pad_routes
@@ -181,7 +184,25 @@ def test_a_bf16_trainer_packs_under_its_autocast(dense_dir, monkeypatch):
     assert float((packed.logp - padded.logp)[on].abs().max()) < 0.05  # bf16's rounding, both paths
 
 
-def test_sliding_window_attention_is_refused_when_packed():
-    q = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="model.use_remove_padding=false"):
-        packed_attention(None, q, q, q, None, cu_seq_lens_q=torch.tensor([0, 4]), max_length_q=4, sliding_window=2)
+@pytest.fixture(scope="module")
+def window_dir(tmp_path_factory):
+    """The dense model with its second layer a sliding-window layer of 8 tokens (a Qwen2 config's keys)."""
+    out = tmp_path_factory.mktemp("window")
+    build_model(out, VOCAB, seed=0)
+    config = json.loads((out / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config |= {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    config["layer_types"] = ["full_attention"] + ["sliding_attention"] * (layers - 1)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_sliding_window_layers_attend_within_their_window_when_packed(dense_dir, window_dir):
+    prompts, responses = _batch(8)
+    padded, g_padded = _forward_and_grads(_trainer(window_dir, packed=False), prompts, responses)
+    packed, g_packed = _forward_and_grads(_trainer(window_dir, packed=True), prompts, responses)
+    full = _trainer(dense_dir, packed=False)._token_logprobs(prompts, responses)
+    on = padded.mask > 0
+    assert float((full.logp - padded.logp)[on].abs().max()) > 1e-2  # the window changes what the model computes
+    assert float((packed.logp - padded.logp)[on].abs().max()) < LOGP_TOL
+    _assert_grads_close(g_padded, g_packed)
