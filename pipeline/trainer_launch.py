@@ -84,7 +84,9 @@ def _backend(ctx: RunContext) -> tuple[type, dict]:
     if cfg.trainer.backend == "megatron":
         from stages.trainer.megatron_backend import MegatronTrainer as Trainer
 
-        extra |= dataclasses.asdict(a.megatron) | {"data_parallel_size": megatron_data_parallel_size(cfg)}
+        megatron = dataclasses.asdict(a.megatron)
+        del megatron["use_remove_padding"]  # in the execution settings (pipeline/config/execution.py: packs)
+        extra |= megatron | {"data_parallel_size": megatron_data_parallel_size(cfg)}
         extra["rank_resources"] = ctx.placement.trainer_resources()
         return Trainer, extra
     fsdp = a.fsdp_config

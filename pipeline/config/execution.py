@@ -1,8 +1,9 @@
 """How the trainer and the reference model run their models, from verl's keys: padding-free packing
-(`model.use_remove_padding`), token-budget micro-batches (`actor.use_dynamic_bsz`, `rollout.log_prob_*`,
-`ref.log_prob_*`), activation checkpointing (`model.enable_gradient_checkpointing`; Megatron's
-`actor.megatron.override_transformer_config.recompute_*`) and offload (`actor.fsdp_config.*_offload`,
-`ref.fsdp_config.param_offload`). None of them changes what is trained, only time and memory.
+(`model.use_remove_padding`; `actor.megatron.use_remove_padding` with the Megatron backend), token-budget
+micro-batches (`actor.use_dynamic_bsz`, `rollout.log_prob_*`, `ref.log_prob_*`), activation checkpointing
+(`model.enable_gradient_checkpointing`; Megatron's `actor.megatron.override_transformer_config.recompute_*`) and
+offload (`actor.fsdp_config.*_offload`, `ref.fsdp_config.param_offload`). None of them changes what is trained,
+only time and memory.
 
 As in verl, the proximal recompute's and the reference's token budgets default to the actor's.
 """
@@ -12,6 +13,14 @@ from __future__ import annotations
 from pipeline.config.schema import RunConfig
 from stages.trainer.micro_batches import MicroBatching
 from stages.trainer.settings import ExecutionSettings
+
+
+def packs(cfg: RunConfig) -> bool:
+    """Whether the trainer and the reference model pack: the Megatron backend's own key, else the model's (verl's
+    Megatron workers read actor.megatron.use_remove_padding, its FSDP workers model.use_remove_padding)."""
+    if cfg.trainer.backend == "megatron":
+        return cfg.actor.megatron.use_remove_padding
+    return cfg.model.use_remove_padding
 
 
 def trainer_execution(cfg: RunConfig) -> ExecutionSettings:
@@ -24,7 +33,7 @@ def trainer_execution(cfg: RunConfig) -> ExecutionSettings:
         "rollout.log_prob_max_token_len_per_gpu",
     )
     return ExecutionSettings(
-        use_remove_padding=cfg.model.use_remove_padding,
+        use_remove_padding=packs(cfg),
         enable_gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
         log_prob=log_prob,
         param_offload=fsdp.param_offload,
@@ -37,7 +46,7 @@ def reference_options(cfg: RunConfig) -> dict:
     (else the stage's own, stages.ref_logprob.micro_batch_size, applies)."""
     ref, actor = cfg.ref, cfg.actor
     out = {
-        "use_remove_padding": cfg.model.use_remove_padding,
+        "use_remove_padding": packs(cfg),
         "use_dynamic_bsz": actor.use_dynamic_bsz
         if ref.log_prob_use_dynamic_bsz is None
         else ref.log_prob_use_dynamic_bsz,

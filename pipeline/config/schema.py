@@ -190,6 +190,12 @@ class MegatronConfig:
     The trainer has tensor_model_parallel_size x pipeline_model_parallel_size ranks."""
     export_bucket_mb: int = 64
     """Weights leave the trainer gathered across TP ranks in buckets of about this many MiB of local shards."""
+    use_remove_padding: bool = False
+    """The Megatron trainer's packing (verl's key), the reference model's too; with this backend it replaces
+    model.use_remove_padding, as in verl's Megatron workers. Off by default, where verl has it on: verl packs through
+    TransformerEngine's varlen attention, while this backend's local attention takes a packed row with a
+    block-diagonal mask (stages/trainer/megatron_inputs.py) and computes all of its N x N scores, B times a padded
+    micro-batch's: turn it on with a token budget (actor.use_dynamic_bsz) for long-tailed lengths."""
     override_transformer_config: MegatronRecompute = field(default_factory=MegatronRecompute)
     """megatron-core's activation recompute (verl's `recompute_granularity`, `recompute_method`,
     `recompute_num_layers`, `recompute_modules` under this key)."""
@@ -276,9 +282,11 @@ class ModelConfig:
     arch: Literal["dense", "moe"] = "dense"
     """The embedded model's architecture: 'dense' (Qwen2) or 'moe' (Qwen3-MoE, 4 experts, top-2). A model directory
     says what it is in its config.json; this key does not apply to it."""
-    use_remove_padding: bool = False
+    use_remove_padding: bool = True
     """Pack each micro-batch's sequences into one row, attention confined to each (stages/trainer/packing.py), in
-    the trainer, its proximal recompute and the reference model, instead of right-padding them."""
+    the trainer, its proximal recompute and the reference model, instead of right-padding them (on by default, as
+    in verl); false right-pads each micro-batch to its longest row. trainer.backend=megatron reads
+    actor.megatron.use_remove_padding instead."""
     enable_gradient_checkpointing: bool = False
     """Activation checkpointing of the torch backend's decoder layers: the backward recomputes each layer's
     activations from its input (trainer.backend=megatron: actor.megatron.override_transformer_config.recompute_*)."""

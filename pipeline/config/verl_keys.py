@@ -217,7 +217,6 @@ EFFICIENCY_KEYS = (
     "actor.megatron.param_offload",
     "actor.megatron.grad_offload",
     "actor.megatron.optimizer_offload",
-    "actor.megatron.use_remove_padding",
     "actor.megatron.override_transformer_config.recompute_",
     "actor.optim.override_optimizer_config.",
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",

@@ -1,5 +1,5 @@
-"""A Megatron micro-batch's model inputs: B right-padded rows with a causal mask, or (`model.use_remove_padding`)
-the B sequences packed into one row with a block-diagonal causal mask.
+"""A Megatron micro-batch's model inputs: B right-padded rows with a causal mask, or
+(`actor.megatron.use_remove_padding`) the B sequences packed into one row with a block-diagonal causal mask.
 
 megatron-core's own packed format (`PackedSeqParams`, 'thd' layout, cu_seqlens) needs TransformerEngine's attention:
 the local layer spec this backend builds on (TransformerEngine does not install on CPU) refuses it, its

@@ -227,7 +227,8 @@ class MegatronRank:
         return self.read_logits(self.stage_forward(batch, routes), batch, entropy, sum_pi2)
 
     def inputs(self, prompts: list, responses: list) -> Inputs:
-        """Right-padded rows, or one packed row with model.use_remove_padding (stages/trainer/megatron_inputs.py)."""
+        """Right-padded rows, or one packed row with actor.megatron.use_remove_padding
+        (stages/trainer/megatron_inputs.py)."""
         return model_inputs(prompts, responses, self.pad, self.device, self.execution.use_remove_padding)
 
     def stage_forward(self, batch: Inputs, routes: torch.Tensor | None) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""The Megatron trainer packed (model.use_remove_padding: one row per micro-batch, a block-diagonal causal mask,
-stages/trainer/megatron_inputs.py), with token-budget micro-batches (actor.use_dynamic_bsz) and activation recompute
-(actor.megatron.override_transformer_config), trains what it trains right-padded with fixed micro-batches and no
-recompute: at PP = 1, and at PP = 2 through megatron's 1F1B schedule (variable shapes: the packed rows' lengths
-differ). Responses of 1 to 40 tokens, so that padding and packing differ a lot.
+"""The Megatron trainer packed (actor.megatron.use_remove_padding: one row per micro-batch, a block-diagonal causal
+mask, stages/trainer/megatron_inputs.py), with token-budget micro-batches (actor.use_dynamic_bsz) and activation
+recompute (actor.megatron.override_transformer_config), trains what it trains right-padded with fixed micro-batches
+and no recompute: at PP = 1, and at PP = 2 through megatron's 1F1B schedule (variable shapes: the packed rows'
+lengths differ). Responses of 1 to 40 tokens, so that padding and packing differ a lot.
 
 Real processes on 127.0.0.1 as tests/distributed/megatron_layouts.py; its tolerances: 1e-5 absolute on logprobs,
 1e-5 relative on losses and grad norms, 1e-4 absolute on the weights after the steps (a packed row's positions run

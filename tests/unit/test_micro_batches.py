@@ -159,6 +159,22 @@ def test_verls_keys_and_their_defaults():
     assert "micro_batch_size" not in reference_options(own)  # the stage's own stages.ref_logprob.micro_batch_size
 
 
+def test_packing_is_on_by_default_for_the_torch_backend_and_each_backend_reads_its_own_key_as_verl():
+    assert trainer_execution(load_config(None, [])).use_remove_padding  # verl's model.use_remove_padding: true
+    megatron = ["trainer.backend=megatron"]
+    assert not trainer_execution(load_config(None, megatron)).use_remove_padding  # no varlen attention: padded
+    on = load_config(None, [*megatron, "actor_rollout_ref.actor.megatron.use_remove_padding=True"])
+    assert trainer_execution(on).use_remove_padding and reference_options(on)["use_remove_padding"]
+    # each backend's key leaves the other's alone
+    assert trainer_execution(
+        load_config(None, [*megatron, "actor.megatron.use_remove_padding=true", "model.use_remove_padding=false"])
+    ).use_remove_padding
+    torch_off = load_config(None, ["model.use_remove_padding=false", "actor.megatron.use_remove_padding=true"])
+    assert (
+        not trainer_execution(torch_off).use_remove_padding and not reference_options(torch_off)["use_remove_padding"]
+    )
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
