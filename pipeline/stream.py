@@ -360,9 +360,11 @@ def _gate(inputs: StreamInputs) -> Stage:
         # Not restarted: a retried call would ask the clock again for prompts it already admitted. A dead gate ends
         # the run (resume it); and Ray then has no restart to warn about.
         "max_restarts": 0,
-        # Two calls queued at the one gate actor, which runs them one at a time and in order: the next block waits
-        # at the actor instead of in the next round of Ray Data's scheduling loop.
+        # Two calls at the one gate actor, which admits them one at a time and in order (stages/gate.py, Turns):
+        # the next block waits at the actor instead of in the next round of Ray Data's scheduling loop, and the end
+        # marker's call, which waits for the trainer, takes one thread of the two, never the only one.
         "compute": ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2),
+        "max_concurrency": 2,
     }
     return Stage("gate", StalenessGate, {"clock_name": clock_name, "namespace": namespace}, options)
 

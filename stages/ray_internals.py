@@ -35,6 +35,7 @@ USES: list[tuple[str, str, str]] = [
     ("ray.data.dataset", "Dataset._from_parent", "repartition_in_order"),
     ("ray.data.dataset", "Dataset._logical_plan", "repartition_in_order"),
     ("ray.data.dataset", "Dataset._execute_to_iterator", "bundle_iterator"),
+    ("ray.data._internal.execution.interfaces.task_context", "TaskContext.get_current", "map_task_index"),
     ("ray.data._internal.execution.streaming_executor", "StreamingExecutor", "wait_for_data_threads"),
     ("ray.data._internal.execution.streaming_executor", "StreamingExecutor.shutdown", "bundle_iterator"),
     ("ray.data._internal.execution.streaming_executor", "StreamingExecutor._topology", "executor_metrics"),
@@ -88,6 +89,15 @@ def repartition_in_order(ds, rows_per_block: int):
         ray_remote_args={"num_cpus": 0},
     )
     return ray.data.Dataset._from_parent(ds, LogicalPlan(cut, ds.context))
+
+
+def map_task_index() -> int | None:
+    """The index Ray Data gave the map task this thread runs (0, 1, 2, ... in the order its operator dispatched
+    them), None outside one. TaskContext is internal (Ray 2.60.0)."""
+    from ray.data._internal.execution.interfaces.task_context import TaskContext
+
+    ctx = TaskContext.get_current()
+    return None if ctx is None else ctx.task_idx
 
 
 def bundle_iterator(dataset) -> tuple[Iterator, Callable[[], None]]:
