@@ -7,13 +7,11 @@ import threading
 import time
 
 import pyarrow as pa
-import pytest
 from ray.data._internal.execution.interfaces.task_context import TaskContext
 
 from pipeline.stream import _gate
 from pipeline.tasks.admission import end_block
 from schemas.sample import PROMPT_COLUMNS
-from stages import gate as gate_module
 from stages.gate import StalenessGate, Turns
 
 WAIT_S = 10  # a bound on a thread's join, never reached when the gate works
@@ -110,8 +108,3 @@ def test_the_gate_actor_runs_two_calls_at_once():
     stage = _gate(type("Inputs", (), {"clock": ("clock", "ns"), "where": Where()})())
     assert stage.options["max_concurrency"] == 2  # one for the end marker's wait, one for the blocks
     assert stage.options["compute"].max_tasks_in_flight_per_actor == 2
-
-
-@pytest.fixture(autouse=True)
-def _no_real_clock(monkeypatch):
-    monkeypatch.setattr(gate_module, "ClockLink", None)  # a test that builds a real link fails loudly
