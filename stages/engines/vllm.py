@@ -130,9 +130,16 @@ class VLLMEngine:
         return Segment(tokens, logprobs, versions, final.finish_reason, routes, first)
 
     async def pause(self, mode: PauseMode) -> None:
-        # `keep` continues the frozen requests over their KV cache, which must therefore survive the pause.
-        await self.llm.pause_generation(mode=mode.value, clear_cache=mode != PauseMode.KEEP)
-        self.busy.pause()  # after the drain: in `wait` mode the engine works until pause_generation returns
+        # vLLM's `pause_generation` without its last line, a fixed 20 ms sleep that lets in-flight requests' last
+        # outputs reach their callers before it returns: an ordering for display, its comment says, not needed for
+        # correctness. Here it would be 20 ms of every sync (docs/benchmarks.md, "The pause's sleep"), and nothing
+        # needs it: the engine core labels each output with its weight version, so an output still in transit keeps
+        # the version that sampled it, and an aborted request resubmitted after the resume is labelled the new one.
+        clear = mode != PauseMode.KEEP  # `keep` continues the frozen requests over their KV cache: it must survive
+        if clear:
+            await self.llm.renderer.clear_mm_cache_async()
+        await self.llm.engine_core.pause_scheduler_async(mode=mode.value, clear_cache=clear)
+        self.busy.pause()  # after the drain: in `wait` mode the engine works until the scheduler has paused
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
