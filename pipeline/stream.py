@@ -68,8 +68,10 @@ def configure_data_context(no_progress_timeout_s: float) -> None:
     ctx.print_on_execution_start = False
     # With a gate or an engine call always pending, Ray Data's scheduling loop waits its full 0.1 s at every hop
     # between stages; and by default it fetches a finished block's metadata one round later, on a thread. Both
-    # shortened: docs/benchmarks.md has what each saved (bench.overhead, the embedded job).
+    # shortened, and the loop wakes when any of its tasks finishes: docs/benchmarks.md has what each saved
+    # (bench.overhead, the embedded job).
     ray_internals.shorten_scheduling_wait(SCHEDULING_WAIT_S)
+    ray_internals.wake_on_any_task()
     ray_internals.fetch_metadata_in_loop()
 
 

@@ -28,6 +28,7 @@ USES: list[tuple[str, str, str]] = [
         "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S",
         "shorten_scheduling_wait",
     ),
+    ("ray.data._internal.execution.streaming_executor_state", "ray", "wake_on_any_task"),
     ("ray.data._internal.execution.metadata_fetcher", "_PREFETCH_ON_THREAD", "fetch_metadata_in_loop"),
     ("ray.data._internal.compute", "TaskPoolStrategy", "repartition_in_order"),
     ("ray.data._internal.logical.interfaces", "LogicalPlan", "repartition_in_order"),
@@ -62,6 +63,40 @@ def shorten_scheduling_wait(seconds: float) -> None:
     from ray.data._internal.execution import streaming_executor_state
 
     streaming_executor_state.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = seconds
+
+
+def wake_on_any_task() -> None:
+    """Ray Data's scheduling loop asks `ray.wait` for every task in flight at once (num_returns: all of them), so a
+    finished block moves on only when the timeout (`shorten_scheduling_wait`) has passed, while a gate or an engine
+    call is pending. The loop's module gets a `ray` whose `wait` returns as soon as any task that was not ready at
+    its previous call is (`PromptWait`). Idempotent; covers every later stream of this process (Ray 2.60.0)."""
+    from ray.data._internal.execution import streaming_executor_state
+
+    if not isinstance(streaming_executor_state.ray, PromptWait):
+        streaming_executor_state.ray = PromptWait(streaming_executor_state.ray)
+
+
+class PromptWait:
+    """`ray` as Ray Data's scheduling loop sees it, but for `wait`: a wait for many waits for the first of them that
+    was not ready at the previous call, then takes every one ready by then. A task that stays ready (its output held
+    back by Ray Data's backpressure) wakes no later call, so the loop does not spin on it: such calls wait out their
+    timeout as before. Only the scheduling loop's thread calls it."""
+
+    def __init__(self, ray_module: Any) -> None:
+        self._ray = ray_module
+        self._ready: set = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ray, name)
+
+    def wait(self, refs: list, *, num_returns: int = 1, timeout: float | None = None, fetch_local: bool = True):
+        fresh = [r for r in refs if r not in self._ready]
+        if num_returns > 1 and fresh:
+            self._ray.wait(fresh, num_returns=1, timeout=timeout, fetch_local=fetch_local)
+            timeout = 0
+        ready, rest = self._ray.wait(refs, num_returns=num_returns, timeout=timeout, fetch_local=fetch_local)
+        self._ready = set(ready)
+        return ready, rest
 
 
 def fetch_metadata_in_loop() -> None:

@@ -79,3 +79,58 @@ def test_ray_data_fetches_block_metadata_in_its_loop_once_the_stream_says_so():
 
     configure_data_context(-1)
     assert isinstance(metadata_fetcher.make_metadata_fetcher(), metadata_fetcher.InlineMetadataFetcher)
+
+
+class Waits:
+    """A stand-in for the `ray` module's wait: `ready` holds the refs that are ready; each call is recorded."""
+
+    def __init__(self, ready: set) -> None:
+        self.ready, self.calls = ready, []
+
+    def wait(self, refs, *, num_returns=1, timeout=None, fetch_local=True):
+        self.calls.append((list(refs), num_returns, timeout))
+        ready = [r for r in refs if r in self.ready]
+        return ready, [r for r in refs if r not in self.ready]
+
+
+def test_the_scheduling_loop_wakes_at_the_first_task_to_finish_not_at_the_last():
+    # Ray Data asks for all of them (num_returns 3): "engine" is ready, "gate" and "next" are pending.
+    ray_module = Waits({"engine"})
+    ready, rest = ray_internals.PromptWait(ray_module).wait(["gate", "engine", "next"], num_returns=3, timeout=0.02)
+    assert (ready, rest) == (["engine"], ["gate", "next"])
+    first, collect = ray_module.calls
+    assert first == (["gate", "engine", "next"], 1, 0.02)  # returns at the first ready, not when all are
+    assert collect == (["gate", "engine", "next"], 3, 0)  # then takes every ready one without waiting
+
+
+def test_a_task_that_stays_ready_does_not_wake_the_loop_again():
+    # The engine's output is held back by backpressure: it stays ready. The next call waits for the others only,
+    # with the timeout, so the loop does not spin on it.
+    ray_module = Waits({"engine"})
+    wait = ray_internals.PromptWait(ray_module)
+    wait.wait(["gate", "engine"], num_returns=2, timeout=0.02)
+    ray_module.calls.clear()
+    wait.wait(["gate", "engine"], num_returns=2, timeout=0.02)
+    assert ray_module.calls[0] == (["gate"], 1, 0.02)
+
+
+def test_a_wait_for_one_and_every_other_attribute_pass_through():
+    ray_module = Waits({"a"})
+    ray_module.get = "ray.get"
+    wait = ray_internals.PromptWait(ray_module)
+    assert wait.wait(["a", "b"], num_returns=1, timeout=5) == (["a"], ["b"])
+    assert ray_module.calls == [(["a", "b"], 1, 5)] and wait.get == "ray.get"
+
+
+def test_ray_data_waits_through_its_modules_ray_which_the_stream_replaces():
+    """wake_on_any_task replaces the `ray` of the scheduling loop's module; a Ray whose loop waited another way
+    would silently bring back a full wait per hop."""
+    from ray.data._internal.execution import streaming_executor_state
+
+    from pipeline.stream import configure_data_context
+
+    assert "ray.wait(" in inspect.getsource(streaming_executor_state.process_completed_tasks)
+    configure_data_context(-1)
+    assert isinstance(streaming_executor_state.ray, ray_internals.PromptWait)
+    configure_data_context(-1)  # idempotent: not wrapped twice
+    assert not isinstance(streaming_executor_state.ray._ray, ray_internals.PromptWait)
