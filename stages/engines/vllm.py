@@ -5,11 +5,11 @@ itself: it labels every output batch with its weight version (`update_weight_ver
 request carries the version spans over its tokens (`expand_spans`). That label is exact even for tokens still in
 transit when the weights change.
 
-A pause is vLLM's `pause_generation`: `wait` drains the requests in the engine (new ones queue), `abort` ends each
-with its partial tokens and logprobs (the agent loop resubmits it as prompt + partial tokens, and the paused engine
-queues it), `keep` freezes them over their KV cache, which therefore survives the pause. Weights arrive through the
-worker extension's receiver (stages/engines/vllm_worker.py; stages/transports), every worker of the engine (one per
-tensor-parallel rank) loading its shard.
+A pause is vLLM's scheduler pause (`pause_generation` without its sleep: `VLLMEngine.pause`): `wait` drains the
+requests in the engine (new ones queue), `abort` ends each with its partial tokens and logprobs (the agent loop
+resubmits it as prompt + partial tokens, and the paused engine queues it), `keep` freezes them over their KV cache,
+which therefore survives the pause. Weights arrive through the worker extension's receiver (stages/engines/
+vllm_worker.py; stages/transports), every worker of the engine (one per tensor-parallel rank) loading its shard.
 
 With route capture (MoE models, rollout routing replay) every request also returns the experts the engine's routers
 chose for each token of its context (stages/engines/vllm_routes.py).
