@@ -80,7 +80,8 @@ class PromptWait:
     """`ray` as Ray Data's scheduling loop sees it, but for `wait`: a wait for many waits for the first of them that
     was not ready at the previous call, then takes every one ready by then. A task that stays ready (its output held
     back by Ray Data's backpressure) wakes no later call, so the loop does not spin on it: such calls wait out their
-    timeout as before. Only the scheduling loop's thread calls it."""
+    timeout as before (as does a task ready at the previous call that has another block since: the engine's tasks
+    yield one block each). Only the scheduling loop's thread calls it."""
 
     def __init__(self, ray_module: Any) -> None:
         self._ray = ray_module
