@@ -118,10 +118,10 @@ def test_a_reward_function_verl_cannot_call_fails_at_start(tmp_path):
 
 
 def test_an_unreachable_reward_service_fails_at_start(tmp_path):
-    with socket.socket() as s:  # a loopback port nothing listens on
+    with socket.socket() as s:  # a loopback port nothing listens on: held, never listened on, until the run is done
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = asyncrl("run", f"reward.remote.url=http://127.0.0.1:{port}/score", tmp_path=tmp_path)
+        result = asyncrl("run", f"reward.remote.url=http://127.0.0.1:{port}/score", tmp_path=tmp_path)
     msg = one_error(result)
     assert f"reward.remote.url http://127.0.0.1:{port}/score cannot be reached" in msg
     assert "Start the service, or fix the URL" in msg

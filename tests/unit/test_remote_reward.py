@@ -92,10 +92,10 @@ def test_the_failure_policy_applies_to_what_the_service_failed():
 
 
 def test_an_unreachable_or_wrong_url_is_one_clear_error_and_a_live_one_none():
-    with socket.socket() as s:  # a port nothing listens on
+    with socket.socket() as s:  # a port nothing listens on: held, never listened on, while it is probed
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    message = check_reachable(f"http://127.0.0.1:{port}/score", timeout_s=5)
+        message = check_reachable(f"http://127.0.0.1:{port}/score", timeout_s=5)
     assert message.startswith(f"reward.remote.url http://127.0.0.1:{port}/score cannot be reached")
     assert "Start the service, or fix the URL" in message
     with RewardServer(faults) as server:

@@ -155,12 +155,12 @@ def test_the_checks_at_start(rm_dir, tmp_path):  # noqa: F811
     missing = load_config(None, ["reward.reward_model.enable=true", f"reward.reward_model.model_path={tmp_path}/no"])
     with pytest.raises(ConfigError, match="has no config.json"):
         check_reward_sources(missing.reward)
-    with socket.socket() as s:
+    with socket.socket() as s:  # a port nothing listens on: held, never listened on, while it is probed
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    down = load_config(None, [f"reward.remote.url=http://127.0.0.1:{port}/score"])
-    with pytest.raises(ConfigError, match="cannot be reached"):
-        check_reward_sources(down.reward)
+        down = load_config(None, [f"reward.remote.url=http://127.0.0.1:{port}/score"])
+        with pytest.raises(ConfigError, match="cannot be reached"):
+            check_reward_sources(down.reward)
 
 
 def test_the_judges_checks_at_start(tmp_path):
