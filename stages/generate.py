@@ -35,7 +35,7 @@ class VLLMGenerate:
         temperature: float = 1.0,
         top_p: float = 1.0,
         max_model_len: int = 256,
-        kv_cache_gb: int = 1,
+        kv_cache_gb: float | None = None,
         tensor_parallel_size: int = 1,
         dtype: str | None = None,
         seed: int = 0,
@@ -60,7 +60,7 @@ class VLLMGenerate:
         (`engine_args` among them): stages/engines/vllm.py."""
         mode = PauseMode.of(pause_mode)
         sampler = AgentSampler(default_agent_loop, max_tokens, multi_turn)  # checks the loop's name first
-        launcher = CoreLauncher(tensor_parallel_size, kv_cache_gb)  # the engine core's imports start now
+        launcher = CoreLauncher(tensor_parallel_size)  # the engine core's imports start now
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -51,7 +51,7 @@ class Judge:
         max_tokens: int = 64,
         temperature: float = 0.0,
         max_model_len: int = 512,
-        kv_cache_gb: int = 1,
+        kv_cache_gb: float | None = None,
         seed: int = 0,
         max_attempts: int = 1,
         engine_args: dict[str, Any] | None = None,

@@ -72,7 +72,7 @@ class JudgeConfig:
     """The judge's sampling temperature; 0: greedy, the same verdict for the same prompt."""
     max_model_len: int = 512
     """The judge engine's context: its prompt and verdict together."""
-    kv_cache_gb: int = 1
+    kv_cache_gb: float | None = None
     """The judge engine's KV cache on a CPU (rollout.kv_cache_gb's meaning)."""
     num_replicas: int = 1
     """Actors of the judge stage, each with an engine."""

@@ -110,8 +110,9 @@ class RolloutConfig:
     one hand-off between stages fewer per block, which on short steps is a good part of a step (bench.overhead).
     None (the default): wherever it can, i.e. unless a reference model sits between generation and scoring
     (actor.use_kl_loss, algorithm.use_kl_in_reward); true with a reference model is an error; false: never."""
-    kv_cache_gb: int = 1
-    """KV cache GiB per CPU engine (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
+    kv_cache_gb: float | None = None
+    """KV cache GiB per CPU engine (per rank); null: room for what the engine runs at once, vLLM's max_num_seqs
+    sequences of max_model_len tokens, at most 1 GiB (stages/engines/vllm_core.py, kv_cache_bytes)."""
     test_freq: int = -1
     """Validate on data.val_files every this many weight versions, right after the sync (-1: never)."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)

@@ -30,7 +30,7 @@ from typing import Any
 from stages.agents import Segment
 from stages.engine_busy import EngineBusy
 from stages.engines.base import Broadcast, PauseMode, Sampling, Weights
-from stages.engines.vllm_core import CoreLauncher
+from stages.engines.vllm_core import CoreLauncher, kv_cache_bytes
 from stages.engines.vllm_routes import make_route_capture
 from stages.transports import GroupAddress
 
@@ -43,7 +43,7 @@ class VLLMEngine:
         model_dir: str,
         seed: int,
         max_model_len: int = 256,
-        kv_cache_gb: int = 1,
+        kv_cache_gb: float | None = None,
         tensor_parallel_size: int = 1,
         dtype: str | None = None,
         gpu_memory_utilization: float = 0.9,
@@ -53,17 +53,17 @@ class VLLMEngine:
         launcher: CoreLauncher | None = None,
     ) -> None:
         """`gpu_memory_utilization`: vLLM's share of its GPU (weights and KV cache); unused on CPU, where
-        `kv_cache_gb` sizes the cache. `tensor_parallel_size`: the engine's TP ranks, one worker process each (on the
-        GPUs Ray gave this actor; on CPU, on the cores `cpu_binding` gives them). `ignore_eos`: fixed-length
-        responses, for benchmarks and tests. `dtype`: the engine's (rollout.dtype); None: bfloat16 on a GPU, float32 on
-        CPU. `routed_experts_capture`: capture MoE routes that way (vllm_routes.py);
-        None: no capture. `engine_args`: more of vLLM's AsyncEngineArgs (rollout.engine_args(): eager mode, chunked
-        prefill, batch limits, engine_kwargs.vllm); None: eager mode only. Route capture's own needs win over them.
-        `launcher`: how the engine core will start (vllm_core.py), made earlier by a caller that wants its imports
-        under way; None: made here."""
+        `kv_cache_gb` sizes the cache (None: fitted, vllm_core.kv_cache_bytes). `tensor_parallel_size`: the engine's
+        TP ranks, one worker process each (on the GPUs Ray gave this actor; on CPU, on the cores `cpu_binding` gives
+        them). `ignore_eos`: fixed-length responses, for benchmarks and tests. `dtype`: the engine's (rollout.dtype);
+        None: bfloat16 on a GPU, float32 on CPU. `routed_experts_capture`: capture MoE routes that way
+        (vllm_routes.py); None: no capture. `engine_args`: more of vLLM's AsyncEngineArgs (rollout.engine_args():
+        eager mode, chunked prefill, batch limits, engine_kwargs.vllm); None: eager mode only. Route capture's own
+        needs win over them. `launcher`: how the engine core will start (vllm_core.py), made earlier by a caller that
+        wants its imports under way; None: made here."""
         self.eos = eos_token_id(model_dir)
         self.ignore_eos = ignore_eos
-        self.launcher = launcher or CoreLauncher(tensor_parallel_size, kv_cache_gb)
+        self.launcher = launcher or CoreLauncher(tensor_parallel_size)
         gpu = self.launcher.gpu
         dtype = dtype or ("bfloat16" if gpu else "float32")
         self.kwargs = dict(model=model_dir, max_model_len=max_model_len, dtype=dtype, seed=seed)
@@ -71,6 +71,10 @@ class VLLMEngine:
         if gpu:
             self.kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.kwargs |= engine_args or {"enforce_eager": True}
+        if not gpu and "kv_cache_memory_bytes" not in self.kwargs:  # engine_kwargs.vllm may give it
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+            fit = kv_cache_bytes(config, kv_cache_gb, max_model_len, dtype, self.kwargs, tensor_parallel_size)
+            self.kwargs["kv_cache_memory_bytes"] = fit
         self.route_capture = None if routed_experts_capture is None else make_route_capture(routed_experts_capture, gpu)
         if self.route_capture is not None:
             self.kwargs |= self.route_capture.engine_args()

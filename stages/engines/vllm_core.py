@@ -34,6 +34,15 @@ PRELOAD = [
 ]
 
 
+GIB = 1 << 30
+KV_CACHE_CAP = GIB  # the most a fitted KV cache takes (every CPU engine's fixed size before the fit)
+KV_BLOCK = 256  # tokens per block the fit rounds to: vLLM's CPU default is 128, DeepSeek-V4's 256
+# A CPU engine's blocks hold 7/8 of the bytes it is given as keys and values (32 MiB: 28,672 tokens of the embedded
+# model's 1,024 bytes each): the fit asks for 10/8 of the keys and values it needs.
+KV_PAGE_OVERHEAD_EIGHTHS = 10
+DEFAULT_MAX_NUM_SEQS = 128  # vLLM's for an AsyncLLM (SchedulerConfig's; the defaults by hardware are for LLM, serve)
+
+
 def engine_core_env(tensor_parallel_size: int, gpu: bool) -> dict[str, str]:
     """The environment the engine-core process starts with. A one-rank CPU engine: VLLM_ENABLE_V1_MULTIPROCESSING=0,
     read by vLLM's CPU platform, keeps the model's worker inside the engine core instead of a process of its own: one
@@ -53,10 +62,7 @@ class CoreLauncher:
     an environment of its own (a one-rank CPU engine), else spawned by vLLM. Make it as early as the engine is known:
     the server's imports run from then on."""
 
-    def __init__(self, tensor_parallel_size: int, kv_cache_gb: int) -> None:
-        """`kv_cache_gb`: a CPU engine's KV cache, VLLM_CPU_KVCACHE_SPACE in this process's environment unless set
-        already (the engine core reads it, and a forked core has the server's environment)."""
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gb)))
+    def __init__(self, tensor_parallel_size: int) -> None:
         self.gpu = on_gpu()
         self.env = engine_core_env(tensor_parallel_size, self.gpu)
         self.context = forkserver(self.env) if self.env else None
@@ -67,6 +73,38 @@ class CoreLauncher:
         CPU platform reads it there too), and the core is forked from the server, if there is one."""
         with environment(self.env), vllm_context(self.context):
             yield
+
+
+def kv_cache_bytes(
+    config: dict, kv_cache_gb: float | None, max_model_len: int, dtype: str, engine_args: dict, ranks: int = 1
+) -> int:
+    """A CPU engine's KV cache per rank in bytes (vLLM's kv_cache_memory_bytes): `kv_cache_gb` GiB when given, else
+    room for the most sequences the engine runs at once (`engine_args`' max_num_seqs, else vLLM's default for an
+    AsyncLLM, DEFAULT_MAX_NUM_SEQS) at `max_model_len` tokens each, rounded up to whole blocks (`engine_args`'
+    block_size, at least KV_BLOCK), the KV heads split over `ranks` tensor-parallel ranks, at most KV_CACHE_CAP.
+    vLLM allocates and touches the whole cache as its core starts: 1 GiB took 0.7-5.7 s of the start on the embedded
+    job's model, whose fit is 40 MiB (docs/benchmarks.md, "The KV cache fitted to the engine"). The fit reads
+    `config` (the model's config.json): keys and values of every layer's KV heads in `dtype`. A config it cannot
+    read that way (no head counts, layers that are not attention) gets KV_CACHE_CAP."""
+    if kv_cache_gb is not None:
+        return int(kv_cache_gb * GIB)
+    text = config.get("text_config") or config
+    layer_types = set(text.get("layer_types") or ["full_attention"])
+    try:
+        heads = text["num_attention_heads"]
+        kv_heads = text.get("num_key_value_heads") or heads
+        head_dim = text.get("head_dim") or text["hidden_size"] // heads
+        layers = text["num_hidden_layers"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return KV_CACHE_CAP
+    if not layer_types <= {"full_attention", "sliding_attention"}:
+        return KV_CACHE_CAP
+    rank_heads = max(1, kv_heads // ranks)  # fewer KV heads than ranks: each rank holds one, replicated
+    per_token = 2 * layers * rank_heads * head_dim * (2 if dtype in ("bfloat16", "float16", "half") else 4)
+    per_token = per_token * KV_PAGE_OVERHEAD_EIGHTHS // 8
+    block = max(KV_BLOCK, engine_args.get("block_size") or 0)
+    tokens = (engine_args.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS) * -(-max_model_len // block) * block
+    return min(KV_CACHE_CAP, tokens * per_token)
 
 
 def on_gpu() -> bool:

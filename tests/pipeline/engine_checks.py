@@ -36,14 +36,23 @@ def prompts(tokenizer, texts: list[str]) -> pa.Table:
 def check_the_model_runs_in_the_engine_core(ray, engine) -> None:
     """A started one-rank CPU engine: the replica's actor has two processes under it, a forkserver and the engine
     core forked from it, which runs the model itself (no worker process below it) with multiprocessing off and vLLM's
-    thread count (the cores less one); the actor's own environment is as it was."""
+    thread count (the cores less one); the actor's own environment is as it was; its KV cache is fitted."""
 
-    def read(stage) -> tuple[int, list[int], str | None]:
+    def read(stage) -> tuple[int, list[int], str | None, dict]:
         from stages.engines.vllm import engine_pids
 
-        return os.getpid(), engine_pids(stage.replica.engine.llm), os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        config = stage.replica.engine.llm.vllm_config
+        cache = {
+            "blocks": config.cache_config.num_gpu_blocks,
+            "block_size": config.cache_config.block_size,
+            "bytes": config.cache_config.kv_cache_memory_bytes,
+            "seqs": config.scheduler_config.max_num_seqs,
+            "max_model_len": config.model_config.max_model_len,
+        }
+        pids = engine_pids(stage.replica.engine.llm)
+        return os.getpid(), pids, os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"), cache
 
-    actor, cores, actor_env = ray.get(engine.__ray_call__.remote(read))
+    actor, cores, actor_env, cache = ray.get(engine.__ray_call__.remote(read))
     descendants = {
         p.pid: p for p in psutil.Process(actor).children(recursive=True) if "resource_tracker" not in p.cmdline()[-1]
     }
@@ -55,6 +64,11 @@ def check_the_model_runs_in_the_engine_core(ray, engine) -> None:
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(cores[0])) - 1))
     assert actor_env is None
+    # Its KV cache is fitted (stages/engines/vllm_core.py, kv_cache_bytes): every sequence it may run at once has
+    # room at full length, and it takes a fraction of the fixed 1 GiB it had before.
+    per_sequence = -(-cache["max_model_len"] // cache["block_size"])
+    assert cache["blocks"] >= cache["seqs"] * per_sequence, cache
+    assert cache["bytes"] <= (1 << 30) // 8, cache
 
 
 def decoding(ray, engine) -> int:
