@@ -82,8 +82,8 @@ def kv_cache_bytes(
     room for the most sequences the engine runs at once (`engine_args`' max_num_seqs, else vLLM's default for an
     AsyncLLM, DEFAULT_MAX_NUM_SEQS) at `max_model_len` tokens each, rounded up to whole blocks (`engine_args`'
     block_size, at least KV_BLOCK), the KV heads split over `ranks` tensor-parallel ranks, at most KV_CACHE_CAP.
-    vLLM allocates and touches the whole cache as its core starts: 1 GiB took 0.7-5.7 s of the start on the embedded
-    job's model, whose fit is 40 MiB (docs/benchmarks.md, "The KV cache fitted to the engine"). The fit reads
+    vLLM allocates and touches the whole cache as its core starts, seconds of it for the 1 GiB every CPU engine got
+    before (docs/benchmarks.md, "The KV cache fitted to the engine"). The fit reads
     `config` (the model's config.json): keys and values of every layer's KV heads in `dtype`. A config it cannot
     read that way (no head counts, layers that are not attention) gets KV_CACHE_CAP."""
     if kv_cache_gb is not None:
