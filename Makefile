@@ -33,11 +33,12 @@ run: install
 # imports), then the multi-process and stream tests one at a time (they use every core: run beside each other, their
 # processes' threads oversubscribe the cores and the whole takes longer; tests/conftest.py orders the folders and sets
 # each one's timeout). pytest's cache is on: `make test ARGS=--lf` reruns what failed last time. Exit status 5 is
-# "nothing selected", e.g. an ARGS that picks tests of the other half only.
+# "nothing selected", e.g. an ARGS that picks tests of the other half only. The second half names each test as it
+# ends, and tests/reaper.py prints a failure when it happens: a run stopped at CI's time limit still says what failed.
 FAST := tests/unit tests/cli
 test: install
 	$(PY) -m pytest -q -n auto --dist loadgroup --durations=5 $(ARGS) $(FAST) || [ $$? -eq 5 ]
-	$(PY) -m pytest -q --durations=15 $(ARGS) tests/distributed tests/pipeline tests/gpu || [ $$? -eq 5 ]
+	$(PY) -m pytest -v --durations=15 $(ARGS) tests/distributed tests/pipeline tests/gpu || [ $$? -eq 5 ]
 
 # The unit and CLI tests: no Ray session of the suite's, no engine; about 2 minutes on 2 cores. The extras' resolution
 # (marked `network`: pip downloads torch's and vLLM's wheels, up to 10 minutes an extra) is left out.

@@ -10,14 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.reaper import Reaper
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_configure(config):
-    """The warm-start cache (model.warm_start_cache) of this session alone: the runs that warm-start the embedded model
-    the same way train it once, and nothing is read from or left in the user's cache. pytest-xdist's workers inherit
-    their controller's (entries are written whole and renamed, so two workers may fill it at once)."""
+    """tests/reaper.py's failure printer and process reaper, and the warm-start cache (model.warm_start_cache) of this
+    session alone: the runs that warm-start the embedded model the same way train it once, and nothing is read from or
+    left in the user's cache. pytest-xdist's workers inherit their controller's (entries are written whole and
+    renamed, so two workers may fill it at once)."""
+    config.pluginmanager.register(Reaper(config), "asyncrl-reaper")
     if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("ASYNCRL_CACHE_DIR"):
         return
     cache = tempfile.mkdtemp(prefix="asyncrl-cache-")
