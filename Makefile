@@ -38,7 +38,7 @@ run: install
 FAST := tests/unit tests/cli
 test: install
 	$(PY) -m pytest -q -n auto --dist loadgroup --durations=5 $(ARGS) $(FAST) || [ $$? -eq 5 ]
-	$(PY) -m pytest -v --durations=15 $(ARGS) tests/distributed tests/pipeline tests/gpu || [ $$? -eq 5 ]
+	$(PY) -m pytest -v --durations=30 $(ARGS) tests/distributed tests/pipeline tests/gpu || [ $$? -eq 5 ]
 
 # The unit and CLI tests: no Ray session of the suite's, no engine; about 2 minutes on 2 cores. The extras' resolution
 # (marked `network`: pip downloads torch's and vLLM's wheels, up to 10 minutes an extra) is left out.

@@ -2,10 +2,13 @@
 
 - A failure is printed the moment it happens (the test, the phase, its time and the end of its traceback), not only in
   the summary at the end: a run that CI stops at its time limit still shows what failed and why.
-- Every process a test's call starts carries ASYNCRL_TEST_MARK (the environment is inherited by a run's Ray, its
-  actors and its engine cores). Once the call is over, a marked process that outlives it by GRACE_S is ended by its
-  PID and the test fails naming it: a run left behind would otherwise spin beside every later test and slow them
-  past their timeouts. Processes of fixtures (the suite's Ray session, a shared run) carry no mark of a test.
+- What a test's call leaves running is ended and fails the test: a run left behind would spin beside every later
+  test (vLLM's engine cores poll) and slow them past their timeouts. Two kinds: a process that carries the call's
+  ASYNCRL_TEST_MARK (set in the environment that a subprocess run, its own Ray, its actors and its engine cores
+  inherit), and an actor of a run on the suite's Ray session (`RUN_ACTORS`: the session's workers are this process's
+  descendants but inherit the session's environment, not the call's) that was not there when the call began.
+  Whatever is still running GRACE_S after the call is ended by its PID. What fixtures started (the suite's Ray
+  session, a shared run's server) is older than the call or unmarked, and left alone.
 """
 
 from __future__ import annotations
@@ -24,18 +27,71 @@ MARK = "ASYNCRL_TEST_MARK"
 GRACE_S = 60.0  # a run's Ray processes end on their own once its head is gone; seconds on a loaded machine
 GUARDED = ("distributed", "pipeline", "gpu")  # the unit and CLI tests start no run that can outlive them
 TRACEBACK_CHARS = 3000
+# The process titles of a run's actors and engines on a Ray session it did not start (Ray Data's actor pools are
+# MapWorkers; Ray's own actors, idle workers and Ray Data's helpers are not a run's).
+RUN_ACTORS = (
+    "ray::MapWorker(",
+    "ray::TokenTables",
+    "ray::VersionClock",
+    "ray::Trainer",
+    "ray::TorchTrainer",
+    "ray::MegatronRank",
+    "ray::SimTrainer",
+    "VLLM",
+)
+
+# Python's own helper processes, started for the test process on first use and shared by every later test.
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 def marked(token: str) -> list[psutil.Process]:
-    """The running processes of this user whose environment holds the mark `token`."""
+    """The running processes of this user whose environment holds the mark `token`, but for the helpers that Python's
+    multiprocessing starts for this process once and keeps (its resource tracker, its forkserver)."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != os.getpid() and proc.environ().get(MARK) == token and running(proc):
-                found.append(proc)
+            if proc.pid == os.getpid() or proc.environ().get(MARK) != token or not running(proc):
+                continue
+            if proc.ppid() == os.getpid() and any(helper in arg for arg in proc.cmdline() for helper in HELPERS):
+                continue
+            found.append(proc)
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return found
+
+
+def titles() -> dict[int, str]:
+    """This process's running descendants: PID -> command line (a Ray worker's is its process title)."""
+    return {proc.pid: title for proc, title in _descendants()}
+
+
+def run_actors(before: dict[int, str]) -> list[psutil.Process]:
+    """This process's descendants that are a run's actors or engines now and were not in `before` (an idle worker
+    that took an actor was there, under another title)."""
+    return [
+        proc
+        for proc, title in _descendants()
+        if title.startswith(RUN_ACTORS) and not before.get(proc.pid, "").startswith(RUN_ACTORS)
+    ]
+
+
+def _descendants() -> list[tuple[psutil.Process, str]]:
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if running(proc):
+                found.append((proc, " ".join(proc.cmdline())))
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def leftovers(token: str, before: dict[int, str]) -> list[psutil.Process]:
+    """The call's marked processes and the run actors it started, each once."""
+    found = {proc.pid: proc for proc in marked(token)}
+    for proc in run_actors(before):
+        found.setdefault(proc.pid, proc)
+    return list(found.values())
 
 
 def end(procs: list[psutil.Process]) -> list[str]:
@@ -50,10 +106,11 @@ def end(procs: list[psutil.Process]) -> list[str]:
     return named
 
 
-def left_after(token: str, grace_s: float) -> list[str]:
-    """The marked processes still running `grace_s` after the call, ended; empty when all ended on their own."""
+def left_after(token: str, grace_s: float, before: dict[int, str] | None = None) -> list[str]:
+    """What the call marked `token` left running `grace_s` after it (its marked processes, and the run actors that
+    were not in `before`), ended; empty when all ended on their own."""
     deadline = time.monotonic() + grace_s
-    while (procs := marked(token)) and time.monotonic() < deadline:
+    while (procs := leftovers(token, before or {})) and time.monotonic() < deadline:
         time.sleep(0.5)
     return end(procs)
 
@@ -68,13 +125,13 @@ class Reaper:
     def pytest_runtest_call(self, item):
         if not any(f"/tests/{folder}/" in str(item.fspath) for folder in GUARDED):
             return (yield)
-        token = uuid.uuid4().hex
+        token, before = uuid.uuid4().hex, titles()
         os.environ[MARK] = token
         try:
             result = yield
         finally:
             del os.environ[MARK]
-            left = left_after(token, GRACE_S)
+            left = left_after(token, GRACE_S, before)
         if left:
             pytest.fail(f"processes this test started outlived it by {GRACE_S:.0f} s and were ended: {left}")
         return result
