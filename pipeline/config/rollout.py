@@ -90,8 +90,9 @@ class RolloutConfig:
     """vLLM's prefix cache; null: vLLM's default (the MoE route-capture hook turns it off)."""
     enforce_eager: bool = True
     """vLLM without CUDA graphs or torch.compile (the default here: engines start in seconds on CPU)."""
-    disable_log_stats: bool | None = None
-    """vLLM's periodic stats log; null: vLLM's default."""
+    disable_log_stats: bool = True
+    """Turn off vLLM's statistics (its periodic log and Prometheus metrics, and the scheduler and iteration stats they
+    are made from at every decode step), as verl's default does; false turns them on."""
     engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
     """Keywords of the engine itself (verl's rollout.engine_kwargs.vllm)."""
     tensor_model_parallel_size: int = 1
@@ -142,5 +143,6 @@ class RolloutConfig:
     def engine_args(self) -> dict[str, Any]:
         """vLLM's AsyncEngineArgs from the engine settings that are set, engine_kwargs.vllm last (it wins)."""
         knobs = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enable_prefix_caching")
-        args = {k: getattr(self, k) for k in (*knobs, "disable_log_stats") if getattr(self, k) is not None}
-        return {"enforce_eager": self.enforce_eager, **args, **self.engine_kwargs.vllm}
+        args = {k: getattr(self, k) for k in knobs if getattr(self, k) is not None}
+        fixed = {"enforce_eager": self.enforce_eager, "disable_log_stats": self.disable_log_stats}
+        return {**fixed, **args, **self.engine_kwargs.vllm}

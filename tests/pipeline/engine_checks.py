@@ -36,7 +36,8 @@ def prompts(tokenizer, texts: list[str]) -> pa.Table:
 def check_the_model_runs_in_the_engine_core(ray, engine) -> None:
     """A started one-rank CPU engine: the replica's actor has two processes under it, a forkserver and the engine
     core forked from it, which runs the model itself (no worker process below it) with multiprocessing off and vLLM's
-    thread count (the cores less one); the actor's own environment is as it was; its KV cache is fitted."""
+    thread count (the cores less one); the actor's own environment is as it was; its KV cache is fitted; its
+    statistics are off."""
 
     def read(stage) -> tuple[int, list[int], str | None, dict]:
         from stages.engines.vllm import engine_pids
@@ -48,6 +49,7 @@ def check_the_model_runs_in_the_engine_core(ray, engine) -> None:
             "bytes": config.cache_config.kv_cache_memory_bytes,
             "seqs": config.scheduler_config.max_num_seqs,
             "max_model_len": config.model_config.max_model_len,
+            "log_stats": stage.replica.engine.llm.log_stats,
         }
         pids = engine_pids(stage.replica.engine.llm)
         return os.getpid(), pids, os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"), cache
@@ -69,6 +71,7 @@ def check_the_model_runs_in_the_engine_core(ray, engine) -> None:
     per_sequence = -(-cache["max_model_len"] // cache["block_size"])
     assert cache["blocks"] >= cache["seqs"] * per_sequence, cache
     assert cache["bytes"] <= (1 << 30) // 8, cache
+    assert cache["log_stats"] is False  # vLLM's per-step statistics are off (rollout.disable_log_stats, verl's default)
 
 
 def decoding(ray, engine) -> int:

@@ -135,6 +135,12 @@ def test_the_engine_kwargs_of_vllm_reach_the_engine_and_verls_knobs_with_them():
     assert args["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"} and not cfg.notices
 
 
+def test_vllms_stats_are_off_by_default_as_in_verl_and_its_key_turns_them_on():
+    assert load_config(None).rollout.engine_args()["disable_log_stats"] is True
+    on = load_config(None, ["actor_rollout_ref.rollout.disable_log_stats=False"])
+    assert on.rollout.engine_args()["disable_log_stats"] is False and not on.notices
+
+
 def test_verls_run_keys_map_onto_ours():
     cfg = load_config(
         None,
