@@ -21,7 +21,8 @@ def pytest_configure(config):
     session alone: the runs that warm-start the embedded model the same way train it once, and nothing is read from or
     left in the user's cache. pytest-xdist's workers inherit their controller's (entries are written whole and
     renamed, so two workers may fill it at once)."""
-    config.pluginmanager.register(Reaper(config), "asyncrl-reaper")
+    guarded = lambda item: _folder(item) in ("distributed", "pipeline", "gpu")  # noqa: E731 (unit, CLI: no runs)
+    config.pluginmanager.register(Reaper(config, guarded), "asyncrl-reaper")
     if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("ASYNCRL_CACHE_DIR"):
         return
     cache = tempfile.mkdtemp(prefix="asyncrl-cache-")

@@ -25,7 +25,6 @@ from tests.waiting import running
 
 MARK = "ASYNCRL_TEST_MARK"
 GRACE_S = 60.0  # a run's Ray processes end on their own once its head is gone; seconds on a loaded machine
-GUARDED = ("distributed", "pipeline", "gpu")  # the unit and CLI tests start no run that can outlive them
 TRACEBACK_CHARS = 3000
 # The process titles of a run's actors and engines on a Ray session it did not start (Ray Data's actor pools are
 # MapWorkers; Ray's own actors, idle workers and Ray Data's helpers are not a run's).
@@ -116,14 +115,14 @@ def left_after(token: str, grace_s: float, before: dict[int, str] | None = None)
 
 
 class Reaper:
-    """The plugin: registered by tests/conftest.py."""
+    """The plugin: registered by tests/conftest.py, which tells the tests to guard (`guarded(item)`)."""
 
-    def __init__(self, config) -> None:
-        self.config = config
+    def __init__(self, config, guarded) -> None:
+        self.config, self.guarded = config, guarded
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
-        if not any(f"/tests/{folder}/" in str(item.fspath) for folder in GUARDED):
+        if not self.guarded(item):
             return (yield)
         token, before = uuid.uuid4().hex, titles()
         os.environ[MARK] = token
