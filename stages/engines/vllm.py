@@ -102,8 +102,10 @@ class VLLMEngine:
         self.busy = EngineBusy()  # touched only on the engine's event loop
 
     async def generate(self, prompt: list[int], max_tokens: int, request_id: str, sampling: Sampling) -> Segment:
-        """Stream one request; its routes are fetched for every request when captured (the capture keeps a
-        request's rows until then)."""
+        """One request, its output taken once, when it ends (vLLM's FINAL_ONLY: every token, logprob and version
+        span; an abort ends it too, with its partial tokens), not one delta per decoded token, which cost the
+        actor a message to handle per token. Its routes are fetched for every request when captured (the capture
+        keeps a request's rows until then)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -114,21 +116,19 @@ class VLLMEngine:
             top_k=sampling.top_k,
             logprobs=0,  # the sampled token's logprob: the behaviour policy
             stop_token_ids=[] if self.ignore_eos else [self.eos],  # the engine has no tokenizer: tell it EOS
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.FINAL_ONLY,
             ignore_eos=self.ignore_eos,
         )
-        tokens: list[int] = []
-        logprobs: list[float] = []
         final = None
         engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         self.busy.request_started()
         try:
             async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=engine_id):
-                final = out.outputs[0]
-                tokens.extend(final.token_ids)
-                logprobs.extend(step[tok].logprob for step, tok in zip(final.logprobs, final.token_ids, strict=True))
+                final = out.outputs[0]  # the one output
         finally:
             self.busy.request_finished()
+        tokens = list(final.token_ids)
+        logprobs = [step[tok].logprob for step, tok in zip(final.logprobs, tokens, strict=True)]
         routes = None
         if self.route_capture is not None:
             rows, complete = len(prompt) + len(tokens) - 1, final.finish_reason != "abort"
