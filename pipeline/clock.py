@@ -47,6 +47,7 @@ class VersionClock:
         # prompt_id -> (admitted_version, admitted_time); a prior entry can never be admitted again
         self.ledger: dict[str, tuple[int, float]] = {pid: (v, t) for pid, v, t in prior}
         self.outstanding: dict[str, int] = {}  # admitted, not yet consumed: prompt_id -> admitted_version
+        self.in_flight: set[str] = set()  # admitted, not yet handed on by a replica (verl's active tasks)
         self.gate_blocked_s = 0.0
         self.newest: tuple[int, str] = (version, "")  # the newest weights in the store ("" for the model directory)
         self._changed = asyncio.Condition()
@@ -55,7 +56,8 @@ class VersionClock:
 
     # --- admission (the gate) ---------------------------------------------------------------------------
     async def acquire(self, prompt_ids: list[str]) -> tuple[int, list[str]]:
-        """Wait until at least one permit is free, admit as many of `prompt_ids` as permitted, in order."""
+        """Wait until at least one permit is free, admit as many of `prompt_ids` as permitted, in order: within the
+        version's staleness budget and verl's bound on the prompts generating at once."""
         start = time.monotonic()
         async with self._changed:
             await self._changed.wait_for(lambda: not self.paused and self._permits() > 0)
@@ -66,18 +68,21 @@ class VersionClock:
                     raise ValueError(f"prompt {pid} was admitted twice; the source emitted a duplicate id")
                 self.ledger[pid] = (self.version, now)
                 self.outstanding[pid] = self.version
+            self.in_flight.update(admitted)
             self.admitted_in_version += len(admitted)
         self.gate_blocked_s += time.monotonic() - start
         return self.version, admitted
 
     def _permits(self) -> int:
-        return self.budget.permits(self.admitted_in_version - self.filtered_in_version, self.carried_over)
+        staleness = self.budget.permits(self.admitted_in_version - self.filtered_in_version, self.carried_over)
+        return min(staleness, self.budget.concurrency_permits(len(self.in_flight)))
 
     async def consumed(self, prompt_ids: list[str]) -> None:
         async with self._changed:
             for pid in prompt_ids:
                 if self.outstanding.pop(pid, None) is None:
                     raise ValueError(f"prompt {pid} consumed but not outstanding (never admitted or consumed twice)")
+            self.in_flight.difference_update(prompt_ids)  # handed on, whichever message came first
             self._changed.notify_all()
 
     async def filtered(self, prompt_ids: list[str]) -> int:
@@ -89,6 +94,7 @@ class VersionClock:
             for pid in prompt_ids:
                 if self.outstanding.pop(pid, None) is None:
                     raise ValueError(f"prompt {pid} filtered but not outstanding (never admitted, or done already)")
+            self.in_flight.difference_update(prompt_ids)
             self.filtered_in_version += len(prompt_ids)
             self.filtered_total += len(prompt_ids)
             self._changed.notify_all()
@@ -156,7 +162,11 @@ class VersionClock:
         self.replicas.start(replica, prompt_ids)
 
     async def generated(self, replica: int, prompt_ids: list[str]) -> None:
+        """The replica handed these prompts' samples on: their places among the prompts generating at once free."""
         self.replicas.finish(replica, prompt_ids)
+        async with self._changed:
+            self.in_flight.difference_update(prompt_ids)
+            self._changed.notify_all()
 
     async def members(self) -> dict[int, int]:
         """Live replicas: index -> generation (which changes at every restart)."""
@@ -216,6 +226,7 @@ class VersionClock:
             "version": self.version,
             "admitted_total": len(self.ledger),
             "outstanding": len(self.outstanding),
+            "in_flight": len(self.in_flight),
             "admitted_in_version": self.admitted_in_version,
             "carried_over": self.carried_over,
             "filtered_total": self.filtered_total,

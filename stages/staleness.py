@@ -11,6 +11,12 @@ verl's exact arithmetic: `int(required_samples * (staleness_threshold + 1) * tri
 left to right in floats and truncated, so a verl config gets the same budget to the prompt even where float rounding
 lands below an integer (mini-batch 100, s = 0.15, k = 1: 100 * 1.15 = 114.99999999999999, so 114, not 115).
 
+verl also bounds the prompts generating at once: max_concurrent_samples = min(replicas *
+concurrent_samples_per_replica, max_required_samples). Its rollouter counts a prompt when it takes it and only then
+waits for a free slot, so one prompt more than that is admitted and unfinished while the slots are full; the gate
+admits within the same `max_concurrent_samples + 1` (`concurrency_permits`), the prompts a replica has handed on
+freeing their places.
+
 verl does not bound the lag of a sample; we do, and the audit proves it from the logs. The trainer consumes
 C = trigger_parameter_sync_step * required_samples prompts per version, and at most B = floor((1+s) C) are
 outstanding. If the sink always trains on the oldest admitted prompts first, and makes sure none admitted at
@@ -34,13 +40,22 @@ class StalenessBudget:
     trigger_parameter_sync_step: int
     require_batches: int
     ppo_mini_batch_size: int
+    concurrent_samples_per_replica: int = 16
+    replicas: int = 1
 
     @classmethod
     def from_config(cls, cfg) -> StalenessBudget:
-        """From a run config (the typed RunConfig or the YAML a run directory keeps): verl's key names."""
+        """From a run config (the typed RunConfig or the YAML a run directory keeps): verl's key names. A run
+        directory written before async_training.concurrent_samples_per_replica existed gets verl's default, 16."""
         at = cfg.async_training
+        per_replica = getattr(at, "concurrent_samples_per_replica", None) or 16
         return cls(
-            at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches, cfg.actor.ppo_mini_batch_size
+            at.staleness_threshold,
+            at.trigger_parameter_sync_step,
+            at.require_batches,
+            cfg.actor.ppo_mini_batch_size,
+            per_replica,
+            cfg.rollout.num_replicas,
         )
 
     @property
@@ -58,6 +73,16 @@ class StalenessBudget:
         """Most prompts admitted per version, carried-over ones included (B, verl's name)."""
         # verl's expression, in verl's order: the float product's truncation differs from the exact floor at times.
         return int(self.required_samples * (self.staleness_threshold + 1) * self.trigger_parameter_sync_step)
+
+    @property
+    def max_concurrent_samples(self) -> int:
+        """Most prompts generating at once over all replicas (verl's name and expression)."""
+        return min(self.replicas * self.concurrent_samples_per_replica, self.max_required_samples)
+
+    def concurrency_permits(self, in_flight: int) -> int:
+        """Prompts the gate may still admit while `in_flight` are admitted and not yet generated: verl's slots plus
+        the one prompt its rollouter holds while it waits for a slot."""
+        return max(0, self.max_concurrent_samples + 1 - in_flight)
 
     @property
     def lag_bound(self) -> int:

@@ -106,6 +106,7 @@ PARTIAL_RUN = [
     "model.warm_start_steps=10",
     "data.num_embedded_prompts=200",
     "async_training.partial_rollout=true",
+    "async_training.concurrent_samples_per_replica=2",  # verl's bound binds: 3 prompts in flight of B = 6
     "stages.generate.ignore_eos=true",
 ]
 

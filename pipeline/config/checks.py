@@ -20,6 +20,10 @@ def validate(cfg: RunConfig) -> None:
         (at.staleness_threshold >= 0, "async_training.staleness_threshold must be >= 0"),
         (at.trigger_parameter_sync_step >= 1, "async_training.trigger_parameter_sync_step must be >= 1"),
         (at.require_batches >= 1, "async_training.require_batches must be >= 1"),
+        (
+            at.concurrent_samples_per_replica >= 1,
+            "async_training.concurrent_samples_per_replica must be >= 1 (prompts each replica generates at once)",
+        ),
         (cfg.actor.ppo_mini_batch_size >= 1, "actor.ppo_mini_batch_size must be >= 1"),
         (cfg.rollout.n >= 1, "rollout.n must be >= 1"),
         (cfg.rollout.num_replicas >= 1, "rollout.num_replicas must be >= 1"),

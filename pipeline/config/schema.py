@@ -50,6 +50,10 @@ class AsyncTrainingConfig:
     compute_prox_log_prob: bool = False
     """Recompute logprobs with the weights at the start of each step and use them as old_log_prob (decoupled PPO);
     needed by `algorithm.rollout_correction`."""
+    concurrent_samples_per_replica: int = 16
+    """Prompts each replica generates at once at most: the gate admits no more than min(rollout.num_replicas * this,
+    the version's max_required_samples) prompts that are not yet generated, plus the one verl's rollouter holds
+    while it waits for a slot (verl's max_concurrent_samples; stages/staleness.py)."""
     use_trainer_do_validate: bool = False
     """Validate on a dedicated engine outside the training stream (verl: validation replicas beside the trainer),
     which loads each validated version from the weight store; the stream's engines never see a validation request."""

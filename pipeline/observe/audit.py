@@ -152,6 +152,7 @@ def audit(run_dir: str | Path) -> AuditReport:
         _exactly_once(consumed),
         _admissions(logs.admitted, consumed, samples, report, filtered_at(logs.filtered)),
         _windows(logs.admitted, consumed, budget, filtered_at(logs.filtered)),
+        _concurrency(logs.admitted, samples, budget),
         advantages_match(samples, logs.cfg),
         metrics_match(logs.metrics, consumed, samples, by_id),
     ]
@@ -300,4 +301,37 @@ def _windows(admitted: pa.Table, consumed: pa.Table, budget: StalenessBudget, fi
         not over,
         f"{len(over)} of {len(in_version)} versions over max_required_samples={budget.max_required_samples}"
         f"{examples(over)}",
+    )
+
+
+def _concurrency(admitted: pa.Table, samples: pa.Table, budget: StalenessBudget) -> Check:
+    """verl's bound on the prompts generating at once: a prompt is in flight from its admission (the ledger's time)
+    until its last response was generated (never, if it has none), and at no moment are more than
+    max_concurrent_samples + 1 in flight (stages/staleness.py). The clock frees a prompt's place only once its
+    replica has handed the whole call on, after each response's `generated_time`, so these intervals lie inside the
+    clock's and a moment over the bound here is one the gate let through. The bound is the run's last config's:
+    a resume that changed rollout.num_replicas is checked against the new count."""
+    done: dict[str, float] = {}
+    for pid, at in zip(samples["prompt_id"].to_pylist(), samples["generated_time"].to_pylist(), strict=True):
+        done[pid] = max(done.get(pid, at), at)
+    events = []  # (time, +1 admitted / -1 done); at one time the ends first, as the clock frees before it admits
+    for pid, at in zip(admitted["prompt_id"].to_pylist(), admitted["admitted_time"].to_pylist(), strict=True):
+        events += [(at, 1, pid), (done.get(pid, float("inf")), -1, pid)]
+    events.sort(key=lambda e: (e[0], e[1]))
+    bound = budget.max_concurrent_samples + 1
+    in_flight: set[str] = set()
+    widest, over = 0, []
+    for _, change, pid in events:
+        if change > 0:
+            in_flight.add(pid)
+        else:
+            in_flight.discard(pid)
+        widest = max(widest, len(in_flight))
+        if len(in_flight) > bound:
+            over.append(f"{pid} admitted with {len(in_flight) - 1} in flight")
+    return Check(
+        "prompts generating at once within verl's max_concurrent_samples",
+        not over,
+        f"at most {widest} in flight, bound {bound} (max_concurrent_samples={budget.max_concurrent_samples} and the "
+        f"one verl holds); {len(over)} admissions over it{examples(over)}",
     )

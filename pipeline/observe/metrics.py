@@ -94,6 +94,7 @@ def step_metrics(
             "perf/driver_bytes": float(batch.driver_bytes),
             "gate/admitted_total": float(clock_stats["admitted_total"]),
             "gate/outstanding": float(clock_stats["outstanding"]),
+            "gate/in_flight": float(clock_stats["in_flight"]),  # verl's monitor/active_tasks_size
             "gate/blocked_s": float(clock_stats["gate_blocked_s"]),
         }
         | filter_metrics(batch, clock_stats)

@@ -127,6 +127,17 @@ def window_over_the_budget(logs: Logs) -> str:
     return "version 0"
 
 
+def too_many_generating_at_once(logs: Logs) -> str:
+    """The last max_concurrent_samples + 1 prompts admitted (generated late) moved to just before the first one:
+    once it is admitted too, one prompt more than verl's bound is in flight."""
+    budget = StalenessBudget.from_config(OmegaConf.create(logs.config))
+    ledger = sorted(logs.admitted, key=lambda a: a["admitted_time"])
+    first = ledger[0]
+    for row in ledger[-(budget.max_concurrent_samples + 1) :]:
+        row["admitted_time"] = first["admitted_time"] - 1.0
+    return f"{first['prompt_id']} admitted"
+
+
 def metrics_reward_off_by_half(logs: Logs) -> str:
     logs.metrics[4]["reward/mean"] += 0.5
     return f"step {logs.metrics[4]['step']} reward/mean"
@@ -179,6 +190,7 @@ MUTATIONS = {
     token_advantage_off_by_1e3: "advantages recomputed from the rewards",
     reward_changed_after_scoring: "advantages recomputed from the rewards",
     window_over_the_budget: "admissions per version within verl's budget",
+    too_many_generating_at_once: "prompts generating at once within verl's max_concurrent_samples",
     metrics_reward_off_by_half: "metrics.jsonl agrees with the logs",
     metrics_step_missing: "metrics.jsonl agrees with the logs",
     sample_logged_twice: "every sample logged once",
@@ -197,6 +209,8 @@ def test_the_run_as_it_left_its_logs_passes_every_check(logs, tmp_path):
     assert not [c.name for c in report.checks if c.skipped], report.table()  # every rule applied to this run
     assert report.max_lag <= report.lag_bound == 1  # the corruptions below take it to 2
     assert Counter(c["prompt_id"] for c in logs.consumed).most_common(1)[0][1] == 4  # groups of 4, as named
+    # verl's bound on prompts generating at once bound this run (2 a replica, and the one held), not only held
+    assert "at most 3 in flight, bound 3 " in report.check(MUTATIONS[too_many_generating_at_once]).detail
 
 
 @pytest.mark.slow

@@ -141,3 +141,32 @@ def test_a_restarted_replica_keeps_its_index_and_its_prompts_are_counted_once(mo
             await clock.register_replica("b", pid=13)
 
     run(scenario())
+
+
+def test_prompts_generating_at_once_stay_within_verls_max_concurrent_samples(monkeypatch):
+    FakeRay(monkeypatch)
+
+    async def scenario():
+        # B = 12 per version; max_concurrent_samples = min(2 replicas x 2, 12) = 4, and the one verl's rollouter holds
+        clock = VersionClock(StalenessBudget(0.5, 1, 1, 8, concurrent_samples_per_replica=2, replicas=2), 2)
+        await clock.register_replica("a")
+        await clock.register_replica("b")
+        assert (await clock.acquire([f"p{i}" for i in range(8)]))[1] == [f"p{i}" for i in range(5)]
+        waiter = asyncio.create_task(clock.acquire(["p5", "p6", "p7"]))
+        await settle()
+        assert not waiter.done()  # the staleness budget has 7 permits left, the slots none
+        await clock.generated(0, ["p0", "p1"])  # handed on: two places free
+        assert (await asyncio.wait_for(waiter, 1))[1] == ["p5", "p6"]
+        await clock.consumed(["p2"])  # trained before its replica's message arrived: its place frees too
+        await clock.generated(1, ["p2", "p3"])  # the late message frees p3 alone
+        assert (await clock.stats())["in_flight"] == 3  # p4, p5, p6
+        assert (await clock.acquire(["p7", "p8", "p9"]))[1] == ["p7", "p8"]
+
+    run(scenario())
+
+
+def test_verls_max_concurrent_samples_is_capped_by_the_version_budget():
+    assert StalenessBudget(0.5, 1, 1, 8, 16, 1).max_concurrent_samples == 12  # min(16, B = 12)
+    assert StalenessBudget(0.5, 1, 1, 8, 2, 3).max_concurrent_samples == 6
+    assert StalenessBudget(0.5, 1, 1, 8, 2, 3).concurrency_permits(5) == 2  # 6 + the held one - 5
+    assert StalenessBudget(0.5, 1, 1, 8, 2, 3).concurrency_permits(9) == 0

@@ -141,6 +141,16 @@ def test_vllms_stats_are_off_by_default_as_in_verl_and_its_key_turns_them_on():
     assert on.rollout.engine_args()["disable_log_stats"] is False and not on.notices
 
 
+def test_verls_bound_on_prompts_generating_at_once_takes_its_key_and_default():
+    from stages.staleness import StalenessBudget
+
+    assert load_config(None).async_training.concurrent_samples_per_replica == 16  # verl's fully_async default
+    cfg = load_config(None, ["async_training.concurrent_samples_per_replica=3", "rollout.num_replicas=2"])
+    assert StalenessBudget.from_config(cfg).max_concurrent_samples == 6 and not cfg.notices  # min(2 x 3, B = 12)
+    with pytest.raises(ConfigError, match=r"concurrent_samples_per_replica must be >= 1"):
+        load_config(None, ["async_training.concurrent_samples_per_replica=0"])
+
+
 def test_verls_run_keys_map_onto_ours():
     cfg = load_config(
         None,
