@@ -7,7 +7,8 @@ choice and its lag rule, one optimizer step per `required_samples` prompts, and 
 `trigger_parameter_sync_step` steps: `wait` drains the requests in flight first, `abort`/`keep` freeze them for
 the transfer (abort pays the prefill again). A multi-turn response leaves its slot for each tool call and queues
 again for its next turn; `wait` drains whole trajectories, later turns included. bench/modes.py checks it against
-the real pipeline on sim engines.
+the real pipeline on sim engines. Not modelled: verl's bound on the prompts generating at once, which the real gate
+keeps (async_training.concurrent_samples_per_replica); `in_engine` bounds the fleet's samples in its place.
 """
 
 from __future__ import annotations
