@@ -34,14 +34,17 @@ class ConfigError(ValueError):
 
 @dataclass
 class AsyncTrainingConfig:
-    staleness_threshold: float = 0.0
-    """Share of extra (stale) prompts the generator may admit per weight version; 0 is synchronous."""
-    trigger_parameter_sync_step: int = 1
+    staleness_threshold: float = 0.1
+    """Share of extra (stale) prompts the generator may admit per weight version; 0 is synchronous. The defaults of
+    this section are verl's fully_async config's (fully_async_ppo_trainer.yaml): 0.1, a sync every 4 steps, partial
+    rollout on."""
+    trigger_parameter_sync_step: int = 4
     """Optimizer steps between two weight syncs to the engines."""
     require_batches: int = 1
     """Mini-batches of `actor.ppo_mini_batch_size` prompts the trainer takes per step."""
-    partial_rollout: bool = False
-    """Interrupt in-flight generations at a sync and resume them with the new weights (needs staleness > 0)."""
+    partial_rollout: bool = True
+    """Interrupt in-flight generations at a sync and resume them with the new weights (with staleness 0 nothing is
+    in flight at a sync, and the engines drain as without it)."""
     partial_rollout_mode: Literal["abort", "keep"] = "abort"
     """'abort': resubmit prompt + partial tokens (KV recomputed; verl, AReaL). 'keep': the engine keeps the requests
     and continues them with the new weights over the old KV cache (PipelineRL)."""

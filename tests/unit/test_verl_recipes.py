@@ -141,6 +141,16 @@ def test_vllms_stats_are_off_by_default_as_in_verl_and_its_key_turns_them_on():
     assert on.rollout.engine_args()["disable_log_stats"] is False and not on.notices
 
 
+def test_a_config_file_without_async_keys_gets_verls_fully_async_defaults(tmp_path):
+    """verl 0.9.1's fully_async_ppo_trainer.yaml: staleness 0.1, trigger 4, require_batches 1, partial rollout on,
+    16 prompts a replica; a YAML that leaves them out means what it would mean to verl."""
+    path = tmp_path / "run.yaml"
+    path.write_text("actor:\n  ppo_mini_batch_size: 8\n")
+    at = load_config(path).async_training
+    got = (at.staleness_threshold, at.trigger_parameter_sync_step, at.require_batches, at.partial_rollout)
+    assert got + (at.concurrent_samples_per_replica,) == (0.1, 4, 1, True, 16)
+
+
 def test_verls_bound_on_prompts_generating_at_once_takes_its_key_and_default():
     from stages.staleness import StalenessBudget
 
