@@ -7,8 +7,8 @@ choice and its lag rule, one optimizer step per `required_samples` prompts, and 
 `trigger_parameter_sync_step` steps: `wait` drains the requests in flight first, `abort`/`keep` freeze them for
 the transfer (abort pays the prefill again). A multi-turn response leaves its slot for each tool call and queues
 again for its next turn; `wait` drains whole trajectories, later turns included. bench/modes.py checks it against
-the real pipeline on sim engines. Not modelled: verl's bound on the prompts generating at once, which the real gate
-keeps (async_training.concurrent_samples_per_replica); `in_engine` bounds the fleet's samples in its place.
+the real pipeline on sim engines. The gate also keeps verl's bound on the prompts generating at once (the budget's
+`concurrency_permits`), beside `in_engine`, Ray Data's bound on the fleet's samples.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Outcome:
     sync_s: float
     engine_busy_s: float
     step_end_s: list[float] = field(default_factory=list)
+    max_generating: int = 0  # most prompts admitted and not yet generated at once
 
     @property
     def trainer_idle_ratio(self) -> float:
@@ -74,6 +75,7 @@ class _Run:
         self.next_prompt = 0
         self.admit_version: dict[int, int] = {}  # outstanding prompts: admitted, not consumed
         self.left: dict[int, int] = {}  # prompt -> responses still generating
+        self.generating = 0  # prompts admitted whose responses are not all done (verl's active tasks)
         self.tokens: dict[int, int] = {}
         self.queue: deque[_Sample] = deque()  # waiting for a slot: admitted, or back from a tool call
         self.active: list[_Sample] = []
@@ -92,11 +94,13 @@ class _Run:
     def _admit(self) -> None:
         b = self.s.budget
         while not self.paused and len(self.queue) + len(self.active) + self.in_tool + self.s.n <= self.s.in_engine:
-            if b.permits(self.admitted_in_version, self.carried) <= 0:
+            if min(b.permits(self.admitted_in_version, self.carried), b.concurrency_permits(self.generating)) <= 0:
                 return
             p = self.next_prompt
             self.next_prompt += 1
             self.admitted_in_version += 1
+            self.generating += 1
+            self.out.max_generating = max(self.out.max_generating, self.generating)
             self.admit_version[p], self.left[p], self.tokens[p] = self.version, self.s.n, 0
             for i in range(self.s.n):
                 length = self.w.response_length(f"{p}/{i}", self.s.max_tokens)
@@ -148,6 +152,7 @@ class _Run:
         self.left[smp.prompt] -= 1
         if self.left[smp.prompt] == 0:
             self.buffer.append(smp.prompt)
+            self.generating -= 1
 
     # --- trainer --------------------------------------------------------------------------------------------
     def _try_train(self) -> None:

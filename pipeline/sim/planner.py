@@ -71,6 +71,8 @@ def _run(cfg: RunConfig, hw: Hardware, rollout_gpus: int, trainer_gpus: int, s: 
         require_batches=at.require_batches,
         trigger_parameter_sync_step=at.trigger_parameter_sync_step,
         staleness_threshold=s,
+        concurrent_samples_per_replica=at.concurrent_samples_per_replica,
+        replicas=max(1, rollout_gpus // hw.gpus_per_replica),
     )
     slots = max(1, round(cfg.sim.slots * rollout_gpus / hw.sim_engine_gpus))
     work = dataclasses.replace(

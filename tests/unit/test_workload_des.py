@@ -111,3 +111,12 @@ def test_a_wait_sync_drains_whole_trajectories_and_partial_rollout_does_not():
     keep = simulate(w, _setting(1.0, k=1, mode="keep"), steps=12)
     assert wait.steps == keep.steps == 12
     assert keep.wall_s < wait.wall_s  # the syncs freeze turns in flight instead of waiting for both turns
+
+
+def test_verls_bound_on_prompts_generating_at_once_admits_in_waves():
+    # One prompt a replica, and the one verl holds: the step's 4 prompts generate 2 at a time, two waves of 11 s.
+    budget = StalenessBudget(0.0, 1, 1, 4, concurrent_samples_per_replica=1)
+    out = simulate(WORK, Setting(budget, n=8, max_tokens=1000, slots=64, in_engine=128), steps=10)
+    assert out.max_generating == 2
+    assert out.wall_s == pytest.approx(10 * (2 * GEN + TRAIN + SYNC))
+    assert simulate(WORK, _setting(0.0), steps=10).max_generating == 4  # verl's default, 16, leaves all 4 at once
