@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 _EPS = 1e-9
+CONCURRENT_SAMPLES_PER_REPLICA = 16  # verl's default (fully_async_ppo_trainer.yaml)
 
 
 @dataclass(frozen=True)
@@ -40,15 +41,15 @@ class StalenessBudget:
     trigger_parameter_sync_step: int
     require_batches: int
     ppo_mini_batch_size: int
-    concurrent_samples_per_replica: int = 16
+    concurrent_samples_per_replica: int = CONCURRENT_SAMPLES_PER_REPLICA
     replicas: int = 1
 
     @classmethod
     def from_config(cls, cfg) -> StalenessBudget:
         """From a run config (the typed RunConfig or the YAML a run directory keeps): verl's key names. A run
-        directory written before async_training.concurrent_samples_per_replica existed gets verl's default, 16."""
+        directory written before async_training.concurrent_samples_per_replica existed gets verl's default."""
         at = cfg.async_training
-        per_replica = getattr(at, "concurrent_samples_per_replica", None) or 16
+        per_replica = getattr(at, "concurrent_samples_per_replica", CONCURRENT_SAMPLES_PER_REPLICA)
         return cls(
             at.staleness_threshold,
             at.trigger_parameter_sync_step,

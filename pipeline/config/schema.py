@@ -22,6 +22,7 @@ from pipeline.config.reward import RewardConfig
 from pipeline.config.rollout import RolloutConfig
 from stages.reward_manager import OverlongBuffer, RewardManager
 from stages.sim.workload import Workload
+from stages.staleness import CONCURRENT_SAMPLES_PER_REPLICA
 from stages.trainer.precision import DTypeName, MixedPrecision
 from stages.trainer.settings import CorrectionSettings, MegatronRecompute, PolicySettings
 
@@ -53,7 +54,7 @@ class AsyncTrainingConfig:
     compute_prox_log_prob: bool = False
     """Recompute logprobs with the weights at the start of each step and use them as old_log_prob (decoupled PPO);
     needed by `algorithm.rollout_correction`."""
-    concurrent_samples_per_replica: int = 16
+    concurrent_samples_per_replica: int = CONCURRENT_SAMPLES_PER_REPLICA
     """Prompts each replica generates at once at most: the gate admits no more than min(rollout.num_replicas * this,
     the version's max_required_samples) prompts that are not yet generated, plus the one verl's rollouter holds
     while it waits for a slot (verl's max_concurrent_samples; stages/staleness.py)."""
