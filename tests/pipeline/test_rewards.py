@@ -74,7 +74,10 @@ def reward_model(tmp_path_factory, starting_policy):
 @pytest.mark.slow
 def test_the_policy_learns_against_a_reward_model_in_the_stream(run_job, reward_model):
     summary, run_dir = run_job(
-        "rollout.total_rollout_steps=800",  # 100 steps of 8 prompts
+        # 50 steps of 8 prompts: the policy's rule score rises through them; over 100 it can over-optimise the
+        # reward model (a CI run: the rule score 0.17 -> 0.55 by step 40, then down to 0.20 at step 100 while the
+        # model's score still rose), as any learned reward lets a policy do
+        "rollout.total_rollout_steps=400",
         "reward.reward_model.enable=true",
         f"reward.reward_model.model_path={reward_model}",
         "reward.reward_model.micro_batch_size_per_gpu=16",
@@ -83,9 +86,9 @@ def test_the_policy_learns_against_a_reward_model_in_the_stream(run_job, reward_
         *SERIAL_VALIDATION,
         name="reward-model",
     )
-    assert summary["audit_ok"] and summary["steps"] == 100
-    check_mode(summary, run_dir, s=0.5, k=1, prompts=800, per_step=8, n=8)
-    assert_serial_validation(run_dir, (0, 50, 100))
+    assert summary["audit_ok"] and summary["steps"] == 50
+    check_mode(summary, run_dir, s=0.5, k=1, prompts=400, per_step=8, n=8)
+    assert_serial_validation(run_dir, (0, 25, 50))
     rows = samples(run_dir, ["sample_id", "response_text", "ground_truth", "reward", "reward_sources", "reward_status"])
     # the reward model scored every sample, and its score is the reward (verl: a reward model replaces the rule)
     for row in rows:
@@ -112,11 +115,11 @@ def test_the_policy_learns_against_a_reward_model_in_the_stream(run_job, reward_
     assert last > first + 0.15, f"rule score {first:.3f} -> {last:.3f}, curve {[round(c, 2) for c in curve[::10]]}"
 
 
-# 16 held-out prompts, 2 samples each, before the first step and every 50 versions; the replica validates alone.
+# 16 held-out prompts, 2 samples each, before the first step and every 25 versions; the replica validates alone.
 SERIAL_VALIDATION = [
     "data.val_files=embedded",
     "data.num_embedded_val_prompts=16",
-    "rollout.test_freq=50",
+    "rollout.test_freq=25",
     "trainer.val_before_train=true",
     "rollout.val_kwargs.n=2",
     "async_training.parallel_validate_and_rollout=false",
