@@ -30,6 +30,19 @@ def test_calibrated_preset_reproduces_the_seed_table(name):
     assert async_step == pytest.approx(table.async_step, rel=0.10)  # 7b: verl's 150.63 s per 512 prompts
 
 
+@pytest.mark.parametrize("name", ["7b", "retool"])
+def test_each_preset_bounds_the_prompts_generating_at_once_as_its_fit_did(name):
+    from bench.calibrate import concurrent_prompts
+    from stages.staleness import StalenessBudget
+
+    table = TABLES[name]
+    budget = StalenessBudget.from_config(load_config(table.preset, []))
+    if table.servers is None:  # the fit left verl's bound out: the preset's must not bind
+        assert budget.max_concurrent_samples == budget.max_required_samples
+    else:  # verl's 16 a server, scaled as the fit scaled it, and binding as on verl's run
+        assert budget.max_concurrent_samples == concurrent_prompts(table) < budget.max_required_samples
+
+
 def _toy(*extra: str):
     # Generation of a step on 8 GPUs takes as long as its training on 8 GPUs: the even split should win.
     return load_config(
