@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from pipeline.channel import Channel
+from pipeline.observe.utilization import Occupancy
 from pipeline.replicas import Replicas
 from stages.control import Ack, Message, Posted, PullWeights, Registration
 from stages.staleness import StalenessBudget
@@ -48,6 +49,7 @@ class VersionClock:
         self.ledger: dict[str, tuple[int, float]] = {pid: (v, t) for pid, v, t in prior}
         self.outstanding: dict[str, int] = {}  # admitted, not yet consumed: prompt_id -> admitted_version
         self.in_flight: set[str] = set()  # admitted, not yet handed on by a replica (verl's active tasks)
+        self.occupancy = Occupancy(budget.max_concurrent_samples, time.monotonic())  # of in_flight, per version
         self.gate_blocked_s = 0.0
         self.newest: tuple[int, str] = (version, "")  # the newest weights in the store ("" for the model directory)
         self._changed = asyncio.Condition()
@@ -69,6 +71,7 @@ class VersionClock:
                 self.ledger[pid] = (self.version, now)
                 self.outstanding[pid] = self.version
             self.in_flight.update(admitted)
+            self.occupancy.change(len(self.in_flight), time.monotonic())
             self.admitted_in_version += len(admitted)
         self.gate_blocked_s += time.monotonic() - start
         return self.version, admitted
@@ -82,8 +85,7 @@ class VersionClock:
             for pid in prompt_ids:
                 if self.outstanding.pop(pid, None) is None:
                     raise ValueError(f"prompt {pid} consumed but not outstanding (never admitted or consumed twice)")
-            self.in_flight.difference_update(prompt_ids)  # handed on, whichever message came first
-            self._changed.notify_all()
+            self._handed_on(prompt_ids)  # whichever message came first
 
     async def filtered(self, prompt_ids: list[str]) -> int:
         """Dynamic sampling left these prompts' groups out (stages/group_filter.py): they are done, like consumed ones,
@@ -94,10 +96,9 @@ class VersionClock:
             for pid in prompt_ids:
                 if self.outstanding.pop(pid, None) is None:
                     raise ValueError(f"prompt {pid} filtered but not outstanding (never admitted, or done already)")
-            self.in_flight.difference_update(prompt_ids)
+            self._handed_on(prompt_ids)
             self.filtered_in_version += len(prompt_ids)
             self.filtered_total += len(prompt_ids)
-            self._changed.notify_all()
             return self.version
 
     async def outstanding_at_or_before(self, version: int) -> int:
@@ -110,9 +111,10 @@ class VersionClock:
             self.paused = True
         return await self.members()
 
-    async def finish_sync(self, new_version: int, snapshot: str | None = None) -> None:
+    async def finish_sync(self, new_version: int, snapshot: str | None = None) -> float:
         """Advance the version; the counter restarts at the prompts still outstanding (verl's rule). `snapshot`:
-        the version's file in the store, which a restarted replica loads (push mode)."""
+        the version's file in the store, which a restarted replica loads (push mode). Returns the version window's
+        rollout utilization (pipeline/observe/utilization.py)."""
         async with self._changed:
             if snapshot is not None:
                 self.newest = (new_version, snapshot)
@@ -121,14 +123,14 @@ class VersionClock:
             self.admitted_in_version = self.filtered_in_version = 0
             self.paused = False
             self._changed.notify_all()
+            return self.occupancy.close(time.monotonic())
 
-    async def publish(self, version: int, url: str) -> int:
+    async def publish(self, version: int, url: str) -> tuple[int, float]:
         """Pull mode: `version` is in the store at `url`. Admission moves to it at once (verl's counter restarts
-        as at a sync) and the replicas are told; returns the message's sequence number."""
+        as at a sync) and the replicas are told; returns the message's sequence number and finish_sync's figure."""
         self.newest = (version, url)
         seq = await self.post(PullWeights(version, url))
-        await self.finish_sync(version)
-        return seq
+        return seq, await self.finish_sync(version)
 
     async def newest_published(self) -> tuple[int, str]:
         """The newest version in the store and its file ("" for the model directory): what a pull loads, and
@@ -165,8 +167,13 @@ class VersionClock:
         """The replica handed these prompts' samples on: their places among the prompts generating at once free."""
         self.replicas.finish(replica, prompt_ids)
         async with self._changed:
-            self.in_flight.difference_update(prompt_ids)
-            self._changed.notify_all()
+            self._handed_on(prompt_ids)
+
+    def _handed_on(self, prompt_ids: list[str]) -> None:
+        """These prompts no longer generate: their places free (the caller holds the condition)."""
+        self.in_flight.difference_update(prompt_ids)
+        self.occupancy.change(len(self.in_flight), time.monotonic())
+        self._changed.notify_all()
 
     async def members(self) -> dict[int, int]:
         """Live replicas: index -> generation (which changes at every restart)."""

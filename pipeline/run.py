@@ -16,9 +16,11 @@ from tqdm import tqdm
 
 from pipeline import checkpoint, sync
 from pipeline.config import RunConfig
+from pipeline.config.placement import devices
 from pipeline.finish import finish_run, interrupted, restart_or_raise
 from pipeline.observe.faults import FaultLog
 from pipeline.observe.metrics import FullyAsyncCounters, step_metrics
+from pipeline.observe.utilization import ResourceUtilization
 from pipeline.prepare import Attempt, RunContext, prepare
 from pipeline.stream import build_stream, configure_data_context, dynamic_sampling, placement, step_transform
 from pipeline.trainer_launch import start_trainer
@@ -73,6 +75,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, attempt: Attempt, restarts: int) -> d
         flush=True,
     )
     version, started, counters = ctx.start_version, time.monotonic(), FullyAsyncCounters()
+    utilization = ResourceUtilization(*devices(cfg))  # verl's dynamic_resource/*, at each sync
     faults = FaultLog(ctx.run_dir, restarts, ray.get(ray_internals.call_on_actor(trainer, lambda _: os.getpid())))
     syncer = sync.make_syncer(cfg, trainer, clock, ctx.run_dir)  # push (verl) or pull (a parameter store)
     validator = make_validator(cfg, ctx, clock, trainer)  # held-out prompts at sync points
@@ -87,6 +90,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, attempt: Attempt, restarts: int) -> d
             disable=not sys.stderr.isatty(),  # in a log a bar is one endless line: the console monitor writes lines
         )
         for step in bar:
+            step_started = time.monotonic()
             batch = sink.next_step(version, steps_left_after_this=k - 1 - (step - 1) % k)
             if batch is None:
                 break
@@ -106,6 +110,7 @@ def _loop(cfg: RunConfig, ctx: RunContext, attempt: Attempt, restarts: int) -> d
                 metrics.update(syncer.sync(version))
                 counters.new_window()
                 metrics.update(validator.after_sync(version))
+            metrics.update(utilization.step(metrics, time.monotonic() - step_started, synced=step % k == 0))
             metrics.update(syncer.collect(wait=step == total_steps))  # pull mode: the replicas' loads, as they finish
             if cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0:  # a sync step too (config check)
                 metrics.update(checkpoint.save(ctx.checkpoint_root, trainer, clock, step, version))

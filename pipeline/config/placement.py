@@ -95,6 +95,11 @@ def trainer_ranks(cfg: RunConfig) -> int:
     return cfg.actor.fsdp_config.fsdp_size if t.backend == "torch" else 1
 
 
+def devices(cfg: RunConfig) -> tuple[int, int]:
+    """The devices each side holds (GPUs on a GPU cluster): the trainer's ranks, and the engines' (replicas x TP)."""
+    return trainer_ranks(cfg), cfg.rollout.num_replicas * cfg.rollout.tensor_model_parallel_size
+
+
 def trainer_nodes(cfg: RunConfig) -> int:
     """Nodes the trainer's ranks span: trainer.nnodes for a multi-rank trainer laid out per node, else one."""
     return cfg.trainer.nnodes if cfg.trainer.n_gpus_per_node and trainer_ranks(cfg) > 1 else 1

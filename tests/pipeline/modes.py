@@ -13,6 +13,7 @@ import json
 import pyarrow as pa
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
+import pytest
 
 from pipeline.observe.audit import audit
 
@@ -76,6 +77,24 @@ def check_mode(summary: dict, run_dir, s: float, k: int, prompts: int, per_step:
     assert len(idle) == summary["syncs"] and all(0.0 <= x <= 1.0 for x in idle)
     if s == 0:
         assert summary["rollouter_idle_ratio"] > 0.05
+    check_utilization(rows, k)
 
     report = audit(run_dir)
     assert report.ok, report.table()
+
+
+def check_utilization(rows: list[dict], k: int) -> None:
+    """verl's dynamic_resource/* on each sync's row once steps were aggregated before it (none at the first sync of
+    a run syncing every step), the trainer's compute summing the timing/train_s of the steps verl aggregates: the
+    sync step before and the window's others."""
+    by_step = {r["step"]: r for r in rows}
+    for row in rows:
+        window = [w for w in range(row["step"] - k, row["step"]) if w >= 1]
+        if row["step"] % k or not window:
+            assert not any(key.startswith("dynamic_resource/") for key in row), row["step"]
+            continue
+        compute = sum(by_step[w]["timing/train_s"] for w in window)
+        assert row["dynamic_resource/train_compute_time_s"] == pytest.approx(compute)
+        assert compute < row["dynamic_resource/train_allocated_time_s"]
+        for key in ("train_resource_utilization", "rollout_resource_utilization", "resource_utilization"):
+            assert 0.0 < row[f"dynamic_resource/{key}"] <= 1.0, (row["step"], key)

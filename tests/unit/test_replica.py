@@ -345,7 +345,7 @@ def test_a_failed_load_is_acknowledged_as_failed_and_the_replica_goes_on(make, k
     s = make(kind, PauseMode.ABORT)
     s.release()
     s.engine.failures = 1  # a pulled file that cannot be loaded: the old weights stay, and so does generation
-    seq = s.clock.call(s.clock.clock.publish(1, "file:///store/version-000001.safetensors"))
+    seq, _ = s.clock.call(s.clock.clock.publish(1, "file:///store/version-000001.safetensors"))
     (ack,) = s.clock.call(s.clock.clock.wait_acks(seq, 30))
     assert isinstance(ack, Failed) and "the transfer broke" in ack.error
     assert s.replica.loaded == 0 and s.replica.running.is_set()
