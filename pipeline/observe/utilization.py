@@ -1,5 +1,5 @@
-"""verl's dynamic_resource/* utilization metrics (fully_async_policy, with dynamic resource scheduling off), one value
-per weight sync:
+"""verl's dynamic_resource/* utilization metrics (fully_async_policy, with dynamic resource scheduling off) and the
+trainer's fully_async/trainer/idle_ratio, one value per weight sync:
 
 - `rollout_resource_utilization`: the time-weighted share of verl's max_concurrent_samples in use over the rollout's
   version window (from one sync's resumption to the next): sum(dt * min(active, S)) / sum(dt * S), `active` the
@@ -12,6 +12,8 @@ per weight sync:
   trigger_parameter_sync_step=1 has no window (nothing is logged).
 - `resource_utilization`: the two weighted by the devices each side holds, (a * train + b * rollout) / (a + b), a the
   trainer's ranks and b the engines' (their GPUs on a GPU cluster).
+- `fully_async/trainer/idle_ratio`: the trainer's wait for data over its step time, each summed over the same steps
+  (verl's timing_s/gen over timing_s/step; the per-step `trainer/idle_ratio` is wait over wait + train).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class ResourceUtilization:
 
     def __init__(self, trainer_devices: int, rollout_devices: int) -> None:
         self.trainer_devices, self.rollout_devices = trainer_devices, rollout_devices
-        self.compute_s = self.allocated_s = 0.0
+        self.compute_s = self.allocated_s = self.wait_s = 0.0
         self.steps = 0
 
     def step(self, metrics: dict[str, float], allocated_s: float, synced: bool) -> dict[str, float]:
@@ -59,10 +61,11 @@ class ResourceUtilization:
         if synced:
             rollout = metrics.pop(ROLLOUT, None)
             out = self._window(rollout)
-            self.compute_s = self.allocated_s = 0.0
+            self.compute_s = self.allocated_s = self.wait_s = 0.0
             self.steps = 0
         self.compute_s += metrics["timing/train_s"]
         self.allocated_s += allocated_s
+        self.wait_s += metrics["trainer/wait_s"]
         self.steps += 1
         return out
 
@@ -75,6 +78,7 @@ class ResourceUtilization:
             return out
         train = self.compute_s / self.allocated_s
         out[PREFIX + "train_resource_utilization"] = train
+        out["fully_async/trainer/idle_ratio"] = self.wait_s / self.allocated_s
         if rollout is not None and devices > 0:
             out[ROLLOUT] = rollout
             out[PREFIX + "resource_utilization"] = (

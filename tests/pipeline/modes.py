@@ -84,17 +84,20 @@ def check_mode(summary: dict, run_dir, s: float, k: int, prompts: int, per_step:
 
 
 def check_utilization(rows: list[dict], k: int) -> None:
-    """verl's dynamic_resource/* on each sync's row once steps were aggregated before it (none at the first sync of
-    a run syncing every step), the trainer's compute summing the timing/train_s of the steps verl aggregates: the
-    sync step before and the window's others."""
+    """verl's dynamic_resource/* and fully_async/trainer/idle_ratio on each sync's row once steps were aggregated
+    before it (none at the first sync of a run syncing every step), the trainer's compute and wait summing the
+    timing/train_s and trainer/wait_s of the steps verl aggregates: the sync step before and the window's others."""
     by_step = {r["step"]: r for r in rows}
     for row in rows:
         window = [w for w in range(row["step"] - k, row["step"]) if w >= 1]
         if row["step"] % k or not window:
             assert not any(key.startswith("dynamic_resource/") for key in row), row["step"]
+            assert "fully_async/trainer/idle_ratio" not in row
             continue
         compute = sum(by_step[w]["timing/train_s"] for w in window)
-        assert row["dynamic_resource/train_compute_time_s"] == pytest.approx(compute)
-        assert compute < row["dynamic_resource/train_allocated_time_s"]
+        allocated = row["dynamic_resource/train_allocated_time_s"]
+        assert row["dynamic_resource/train_compute_time_s"] == pytest.approx(compute) and compute < allocated
+        waited = sum(by_step[w]["trainer/wait_s"] for w in window)
+        assert row["fully_async/trainer/idle_ratio"] * allocated == pytest.approx(waited)
         for key in ("train_resource_utilization", "rollout_resource_utilization", "resource_utilization"):
             assert 0.0 < row[f"dynamic_resource/{key}"] <= 1.0, (row["step"], key)

@@ -25,8 +25,10 @@ def test_occupancy_is_the_time_weighted_share_of_the_bound_in_use():
     assert occ.close(8.0) == 0.0  # no time: verl's 0.0
 
 
-def step(util, train_s, allocated_s, synced, rollout=None):
-    metrics = {"timing/train_s": train_s} | ({ROLLOUT: rollout} if rollout is not None else {})
+def step(util, train_s, allocated_s, synced, rollout=None, wait_s=0.0):
+    metrics = {"timing/train_s": train_s, "trainer/wait_s": wait_s}
+    if rollout is not None:
+        metrics[ROLLOUT] = rollout
     out = util.step(metrics, allocated_s, synced)
     assert ROLLOUT not in metrics  # logged only in the window's figures
     return out
@@ -34,9 +36,9 @@ def step(util, train_s, allocated_s, synced, rollout=None):
 
 def test_each_sync_logs_the_steps_aggregated_before_it_as_verl_does():
     util = ResourceUtilization(trainer_devices=2, rollout_devices=1)
-    assert step(util, 1.0, 2.0, synced=False) == {}
+    assert step(util, 1.0, 2.0, synced=False, wait_s=0.5) == {}
     # the sync step's own times count in the next window: this one is step 1 alone
-    first = step(util, 1.0, 4.0, synced=True, rollout=0.5)
+    first = step(util, 1.0, 4.0, synced=True, rollout=0.5, wait_s=3.0)
     assert first == pytest.approx(
         {
             P + "train_compute_time_s": 1.0,
@@ -44,11 +46,13 @@ def test_each_sync_logs_the_steps_aggregated_before_it_as_verl_does():
             P + "train_resource_utilization": 0.5,
             ROLLOUT: 0.5,
             P + "resource_utilization": (2 * 0.5 + 1 * 0.5) / 3,
+            "fully_async/trainer/idle_ratio": 0.5 / 2.0,
         }
     )
     assert step(util, 2.0, 2.0, synced=False) == {}
     second = step(util, 0.5, 1.0, synced=True, rollout=1.0)  # steps 2 and 3: 3 s of 6
     assert second[P + "train_resource_utilization"] == pytest.approx(3 / 6)
+    assert second["fully_async/trainer/idle_ratio"] == pytest.approx(3.0 / 6)  # steps 2 and 3 waited 3 s of 6
     assert second[P + "resource_utilization"] == pytest.approx((2 * 0.5 + 1 * 1.0) / 3)
 
 
