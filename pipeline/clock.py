@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from pipeline.channel import Channel
-from pipeline.observe.utilization import Occupancy
+from pipeline.observe.rollout_status import StatusLog
+from pipeline.observe.utilization import ROLLOUT, Occupancy, RolloutIdle
 from pipeline.replicas import Replicas
 from stages.control import Ack, Message, Posted, PullWeights, Registration
 from stages.staleness import StalenessBudget
@@ -50,6 +51,8 @@ class VersionClock:
         self.outstanding: dict[str, int] = {}  # admitted, not yet consumed: prompt_id -> admitted_version
         self.in_flight: set[str] = set()  # admitted, not yet handed on by a replica (verl's active tasks)
         self.occupancy = Occupancy(budget.max_concurrent_samples, time.monotonic())  # of in_flight, per version
+        self.rollout_idle = RolloutIdle(time.monotonic())  # verl's rollouter idle ratio, per version
+        self.status = StatusLog(budget)  # verl's rollouter counters as each prompt was generated
         self.gate_blocked_s = 0.0
         self.newest: tuple[int, str] = (version, "")  # the newest weights in the store ("" for the model directory)
         self._changed = asyncio.Condition()
@@ -73,12 +76,20 @@ class VersionClock:
             self.in_flight.update(admitted)
             self.occupancy.change(len(self.in_flight), time.monotonic())
             self.admitted_in_version += len(admitted)
+            self._watch_idle()
         self.gate_blocked_s += time.monotonic() - start
         return self.version, admitted
 
     def _permits(self) -> int:
-        staleness = self.budget.permits(self.admitted_in_version - self.filtered_in_version, self.carried_over)
-        return min(staleness, self.budget.concurrency_permits(len(self.in_flight)))
+        return min(self._staleness_permits(), self.budget.concurrency_permits(len(self.in_flight)))
+
+    def _staleness_permits(self) -> int:
+        return self.budget.permits(self.admitted_in_version - self.filtered_in_version, self.carried_over)
+
+    def _watch_idle(self) -> None:
+        """verl's rollouter is idle while nothing generates and the staleness budget admits nothing more: drained,
+        it waits for the sync (its bound on the prompts generating at once is not such a wait)."""
+        self.rollout_idle.update(not self.in_flight and self._staleness_permits() <= 0, time.monotonic())
 
     async def consumed(self, prompt_ids: list[str]) -> None:
         async with self._changed:
@@ -86,6 +97,7 @@ class VersionClock:
                 if self.outstanding.pop(pid, None) is None:
                     raise ValueError(f"prompt {pid} consumed but not outstanding (never admitted or consumed twice)")
             self._handed_on(prompt_ids)  # whichever message came first
+            self.status.forget(prompt_ids)
 
     async def filtered(self, prompt_ids: list[str]) -> int:
         """Dynamic sampling left these prompts' groups out (stages/group_filter.py): they are done, like consumed ones,
@@ -96,9 +108,10 @@ class VersionClock:
             for pid in prompt_ids:
                 if self.outstanding.pop(pid, None) is None:
                     raise ValueError(f"prompt {pid} filtered but not outstanding (never admitted, or done already)")
-            self._handed_on(prompt_ids)
             self.filtered_in_version += len(prompt_ids)
             self.filtered_total += len(prompt_ids)
+            self._handed_on(prompt_ids)  # after the refund: idle only if no permit is left with it
+            self.status.forget(prompt_ids)
             return self.version
 
     async def outstanding_at_or_before(self, version: int) -> int:
@@ -111,10 +124,10 @@ class VersionClock:
             self.paused = True
         return await self.members()
 
-    async def finish_sync(self, new_version: int, snapshot: str | None = None) -> float:
+    async def finish_sync(self, new_version: int, snapshot: str | None = None) -> dict[str, float]:
         """Advance the version; the counter restarts at the prompts still outstanding (verl's rule). `snapshot`:
         the version's file in the store, which a restarted replica loads (push mode). Returns the version window's
-        rollout utilization (pipeline/observe/utilization.py)."""
+        rollout utilization and verl's rollouter idle metrics (pipeline/observe/utilization.py)."""
         async with self._changed:
             if snapshot is not None:
                 self.newest = (new_version, snapshot)
@@ -123,9 +136,12 @@ class VersionClock:
             self.admitted_in_version = self.filtered_in_version = 0
             self.paused = False
             self._changed.notify_all()
-            return self.occupancy.close(time.monotonic())
+            now = time.monotonic()
+            window = {ROLLOUT: self.occupancy.close(now), **self.rollout_idle.close(now)}
+            self._watch_idle()  # a budget spent by the carried-over prompts alone is idle from the start
+            return window
 
-    async def publish(self, version: int, url: str) -> tuple[int, float]:
+    async def publish(self, version: int, url: str) -> tuple[int, dict[str, float]]:
         """Pull mode: `version` is in the store at `url`. Admission moves to it at once (verl's counter restarts
         as at a sync) and the replicas are told; returns the message's sequence number and finish_sync's figure."""
         self.newest = (version, url)
@@ -171,8 +187,15 @@ class VersionClock:
 
     def _handed_on(self, prompt_ids: list[str]) -> None:
         """These prompts no longer generate: their places free (the caller holds the condition)."""
+        done = [pid for pid in prompt_ids if pid in self.in_flight]
+        queued = max(0, len(self.outstanding) - len(self.in_flight))  # generated, not yet consumed
+        staleness = self.admitted_in_version - self.filtered_in_version + self.carried_over
+        for i, pid in enumerate(done):  # one after the other, as verl's rollouter sees its tasks end
+            self.status.handed_on(pid, len(self.in_flight) - i, queued + i, staleness)
+        self.rollout_idle.generated += len(done)
         self.in_flight.difference_update(prompt_ids)
         self.occupancy.change(len(self.in_flight), time.monotonic())
+        self._watch_idle()
         self._changed.notify_all()
 
     async def members(self) -> dict[int, int]:
@@ -223,10 +246,12 @@ class VersionClock:
 
     # --- reporting -------------------------------------------------------------------------------------------
     async def step_done(self, prompt_ids: list[str], faults_after: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The driver's one call after a step: `consumed(prompt_ids)`, then `stats()` and `faults(faults_after)`
-        (a round trip to this actor costs milliseconds on a loaded machine, and a short step makes few others)."""
+        """The driver's one call after a step: `consumed(prompt_ids)`, then `stats()` with verl's rollout status of
+        the step (pipeline/observe/rollout_status.py) and `faults(faults_after)` (a round trip to this actor costs
+        milliseconds on a loaded machine, and a short step makes few others)."""
+        status = self.status.first_of(prompt_ids)
         await self.consumed(prompt_ids)
-        return await self.stats(), await self.faults(faults_after)
+        return {**await self.stats(), "rollout_status": status}, await self.faults(faults_after)
 
     async def stats(self) -> dict[str, Any]:
         return {

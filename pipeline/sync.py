@@ -29,7 +29,6 @@ from pathlib import Path
 import fsspec
 import ray
 
-from pipeline.observe.utilization import ROLLOUT
 from stages.control import Ack, Failed, JoinGroup, Loaded, PushWeights
 from stages.engine_busy import idle_ratio
 from stages.transports import WeightMeta
@@ -145,7 +144,7 @@ class Push:
         loads = [a for a in acks if isinstance(a, Loaded)]
         metrics = sync_metrics(loads, sent)
         snapshot = self.snapshots.write(self.trainer, version, metrics) if self.snapshots else None
-        metrics[ROLLOUT] = ray.get(self.clock.finish_sync.remote(version, snapshot))
+        metrics.update(ray.get(self.clock.finish_sync.remote(version, snapshot)))
         metrics["sync/latency_s"] = metrics["sync/trainer_blocked_s"] = time.monotonic() - start
         _log_loads(self.log, loads)
         return metrics
@@ -197,11 +196,11 @@ class Pull:
         start = time.monotonic()
         url = f"{self.store}/version-{version:06d}.safetensors"
         sent = ray.get(self.trainer.publish_weights.remote(url))
-        seq, rollout = ray.get(self.clock.publish.remote(version, url))
+        seq, window = ray.get(self.clock.publish.remote(version, url))
         self.pending.append(seq)
         self.published.append(url)
         self._prune()
-        return {**sent, ROLLOUT: rollout, "sync/trainer_blocked_s": time.monotonic() - start}
+        return {**sent, **window, "sync/trainer_blocked_s": time.monotonic() - start}
 
     def _prune(self) -> None:
         """Keep the three newest files: a replica still draining loads the newest when it gets there."""

@@ -85,6 +85,7 @@ GENERATE_COLUMNS = (
     _col("replica", pa.int32(), "index of the Generate replica that produced the response"),
     _col("generated_time", pa.float64(), "when the last token was produced (s since epoch)"),
     _col("gen_latency_s", pa.float64(), "wall time from the engine accepting the prompt to the last token"),
+    _col("tool_latency_s", pa.float64(), "run time of the trajectory's tool calls, summed (part of gen_latency_s)"),
     _col(
         "agent_turns",
         pa.list_(AGENT_TURN),

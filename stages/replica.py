@@ -5,8 +5,8 @@ Input columns:  prompt_id, prompt_text, prompt_ids, ground_truth, data_source, a
 Output columns: input columns, repeated for each of the n responses (the group stays in one block), plus
                 sample_id, response_ids, response_text, response_logprobs, token_param_version, param_version,
                 param_version_end, response_mask, num_tokens, num_resumes, finish_reason, replica,
-                generated_time, gen_latency_s, agent_turns, routed_experts and routes_version (null without route
-                capture)
+                generated_time, gen_latency_s, tool_latency_s, agent_turns, routed_experts and routes_version (null
+                without route capture)
 
 Each replica is one Ray Data actor owning one engine. The engine runs on the replica's own event loop thread, so Ray
 Data's calls and the control loop (the control plane's messages, relayed by the VersionClock: stages/control.py)
@@ -250,6 +250,7 @@ class Replica:
             "replica": self.index,
             "generated_time": time.time(),
             "gen_latency_s": time.time() - start,
+            "tool_latency_s": sum(t["latency_s"] or 0.0 for t in traj.turns if t["role"] == "tool"),
             "agent_turns": traj.turns,
             "routed_experts": None if traj.routes is None else traj.routes.tolist(),
             "routes_version": None if traj.routes is None else traj.routes_version,

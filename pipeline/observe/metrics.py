@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.observe.reward_metrics import reward_source_metrics, trained_reward_mean
+from pipeline.observe.rollout_status import step_timings
 
 
 class FullyAsyncCounters:
@@ -96,7 +97,11 @@ def step_metrics(
             "gate/outstanding": float(clock_stats["outstanding"]),
             "gate/in_flight": float(clock_stats["in_flight"]),  # verl's monitor/active_tasks_size
             "gate/blocked_s": float(clock_stats["gate_blocked_s"]),
+            "fully_async/total_wait_time": batch.wait_s,  # verl's names of the trainer's wait and version
+            "fully_async/count/current_param_version": float(version),
         }
+        | clock_stats.get("rollout_status", {})
+        | step_timings(table)
         | filter_metrics(batch, clock_stats)
     )
 

@@ -14,12 +14,15 @@ trainer's fully_async/trainer/idle_ratio, one value per weight sync:
   trainer's ranks and b the engines' (their GPUs on a GPU cluster).
 - `fully_async/trainer/idle_ratio`: the trainer's wait for data over its step time, each summed over the same steps
   (verl's timing_s/gen over timing_s/step; the per-step `trainer/idle_ratio` is wait over wait + train).
+
+and the rollouter's `fully_async/rollouter/*`, which verl logs at every sync, the first too (RolloutIdle).
 """
 
 from __future__ import annotations
 
 PREFIX = "dynamic_resource/"
 ROLLOUT = PREFIX + "rollout_resource_utilization"
+ROLLOUTER = "fully_async/rollouter/"
 
 
 class Occupancy:
@@ -43,6 +46,46 @@ class Occupancy:
         share = self.used / self.offered if self.offered > 0 else 0.0
         self.used = self.offered = 0.0
         return share
+
+
+class RolloutIdle:
+    """verl's rollouter idle ratio over a version window (from one sync's resumption to the next). The rollouter is
+    idle from the moment it has nothing generating and its staleness budget admits nothing more (verl's processor,
+    drained, waiting for the sync); `active_time` runs from the window's start to the last such moment, or is the
+    whole window if there was none, and `idle_ratio` is 1 - active_time / version_time (1 for a window idle from its
+    start). This counts only the wait for a sync; `rollouter/idle_ratio` (stages/engine_busy.py) counts every
+    engine's idle time. `step_generated_samples`: the prompts whose responses were generated in the window (verl
+    counts a prompt's group as one sample)."""
+
+    def __init__(self, now: float) -> None:
+        self._open(now)
+
+    def _open(self, now: float) -> None:
+        self.start = now
+        self.idle_since: float | None = None  # the current idle stretch's start, if idle now
+        self.last_idle = float("-inf")  # the window's last idle stretch's start
+        self.generated = 0
+
+    def update(self, idle: bool, now: float) -> None:
+        """The rollouter is `idle` (or not) from `now` on."""
+        if idle and self.idle_since is None:
+            self.idle_since = self.last_idle = now
+        elif not idle:
+            self.idle_since = None
+
+    def close(self, now: float) -> dict[str, float]:
+        """The window's metrics, up to `now`; the next window starts, not idle until update says so."""
+        version_s = max(now - self.start, 1e-6)
+        went_idle = self.last_idle >= self.start  # verl's `>`: its processor notices a spent budget just after
+        active_s = self.last_idle - self.start if went_idle else version_s
+        out = {
+            ROLLOUTER + "active_time": active_s,
+            ROLLOUTER + "version_time": version_s,
+            ROLLOUTER + "idle_ratio": 1 - active_s / version_s if went_idle else 0.0,
+            ROLLOUTER + "step_generated_samples": float(self.generated),
+        }
+        self._open(now)
+        return out
 
 
 class ResourceUtilization:

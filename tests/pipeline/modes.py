@@ -78,6 +78,8 @@ def check_mode(summary: dict, run_dir, s: float, k: int, prompts: int, per_step:
     if s == 0:
         assert summary["rollouter_idle_ratio"] > 0.05
     check_utilization(rows, k)
+    check_rollouter(rows, k, s, trained, len(admitted_ids))
+    check_rollout_status(rows, int(per_step * (1 + s) * k), len(admitted_ids))
 
     report = audit(run_dir)
     assert report.ok, report.table()
@@ -101,3 +103,41 @@ def check_utilization(rows: list[dict], k: int) -> None:
         assert row["fully_async/trainer/idle_ratio"] * allocated == pytest.approx(waited)
         for key in ("train_resource_utilization", "rollout_resource_utilization", "resource_utilization"):
             assert 0.0 < row[f"dynamic_resource/{key}"] <= 1.0, (row["step"], key)
+
+
+def check_rollout_status(rows: list[dict], budget: int, admitted: int) -> None:
+    """verl's per-step fully_async/* status and timings on every step's row (pipeline/observe/rollout_status.py),
+    each within what the run's staleness budget (max_required_samples) allows; no tool calls in these runs."""
+    f = "fully_async/"
+    for row in rows:
+        assert row[f + "total_wait_time"] == row["trainer/wait_s"], row["step"]
+        assert row[f + "count/current_param_version"] == row["trainer/version"]
+        assert row[f + "static/max_required_samples"] == row[f + "static/max_queue_size"] == budget
+        assert 1 <= row[f + "monitor/active_tasks_size"] <= row[f + "static/max_concurrent_samples"] + 1 <= budget + 1
+        assert (
+            0 <= row[f + "monitor/queue/mq_queue_size"] <= budget and 0 <= row[f + "count/staleness_samples"] <= budget
+        )
+        assert 0 <= row[f + "count/total_generated_samples"] < admitted and row[f + "count/dropped_stale_samples"] == 0
+        times = [row[f + "processing_time/" + q] for q in ("min", "tp50", "tp95", "tp99", "max")]
+        assert 0 < times[0] <= row[f + "processing_time/avg"] <= times[-1] and times == sorted(times), row["step"]
+        assert row["timing_s/agent_loop/tool_calls/max"] == 0.0
+
+
+def check_rollouter(rows: list[dict], k: int, s: float, trained: pa.Table, admitted: int) -> None:
+    """verl's fully_async/rollouter/* on every sync's row, the first too: the window's times and idle ratio agree,
+    and the prompts generated in the windows cover every prompt trained on by the last sync (and no more than were
+    admitted). Synchronous (s = 0): each window's budget is spent and drained before its sync, so each is idle."""
+    key = "fully_async/rollouter/"
+    syncs = [r for r in rows if r["step"] % k == 0]
+    assert all(not any(name.startswith(key) for name in r) for r in rows if r["step"] % k)
+    for row in syncs:
+        version_s, active_s, idle = (row[key + n] for n in ("version_time", "active_time", "idle_ratio"))
+        assert 0.0 < active_s <= version_s and 0.0 <= idle < 1.0, row["step"]
+        assert active_s == pytest.approx(version_s * (1 - idle)), row["step"]
+        if s == 0:
+            assert idle > 0.0, row["step"]
+    generated = sum(r[key + "step_generated_samples"] for r in syncs)
+    last_sync = syncs[-1]["step"]
+    steps_of = zip(trained["prompt_id"].to_pylist(), trained["consumed_step"].to_pylist(), strict=True)
+    trained_by_then = {prompt for prompt, step in steps_of if step <= last_sync}
+    assert len(trained_by_then) <= generated <= admitted

@@ -44,6 +44,8 @@ def check_trajectory(row: dict) -> None:
             tool_tokens.update(span)
             assert turn["tool_name"] is not None or turn["error"] is not None
     assert [i for i, m in enumerate(row["response_mask"]) if m == 0] == sorted(tool_tokens)
+    tools_s = sum(t["latency_s"] or 0.0 for t in row["agent_turns"] if t["role"] == "tool")
+    assert row["tool_latency_s"] == pytest.approx(tools_s) and row["tool_latency_s"] < row["gen_latency_s"]
     assert all(row["response_logprobs"][i] == 0.0 for i in tool_tokens)
     versions = row["token_param_version"]
     assert all(a <= b for a, b in zip(versions, versions[1:], strict=False))
@@ -69,6 +71,7 @@ def test_multi_turn_preset_learns_with_interruptions(run_job):
     with_tools = [r for r in samples if any(t["role"] == "tool" for t in r["agent_turns"])]
     assert len(with_tools) > len(samples) // 4, "the model stopped calling the tool"
     assert any(t["result"] is not None for r in with_tools for t in r["agent_turns"] if t["role"] == "tool")
+    assert any(r["timing_s/agent_loop/tool_calls/max"] > 0 for r in rows)  # verl's per-step tool time
     interrupted = [r for r in samples if r["num_resumes"] > 0]
     assert interrupted, "no sync caught a trajectory in flight"
     # A sync went through every interrupted trajectory: its later tokens carry a newer version.

@@ -30,10 +30,12 @@ TRAJECTORY = {
     "token_param_version": [0, 0, 0, 1, 1, 1, 1],
     "response_mask": [1, 1, 1, 0, 0, 1, 1],
     "agent_turns": [
-        {"role": "assistant", "token_start": 0, "token_end": 3, "tool_name": None, "error": None},
-        {"role": "tool", "token_start": 3, "token_end": 5, "tool_name": "calculator", "error": None},
-        {"role": "assistant", "token_start": 5, "token_end": 7, "tool_name": None, "error": None},
+        {"role": "assistant", "token_start": 0, "token_end": 3, "tool_name": None, "error": None, "latency_s": 0.2},
+        {"role": "tool", "token_start": 3, "token_end": 5, "tool_name": "calculator", "error": None, "latency_s": 0.05},
+        {"role": "assistant", "token_start": 5, "token_end": 7, "tool_name": None, "error": None, "latency_s": 0.1},
     ],
+    "gen_latency_s": 0.4,
+    "tool_latency_s": 0.05,
 }
 
 
@@ -53,6 +55,7 @@ def _broken(change) -> dict:
         lambda r: r["agent_turns"][2].__setitem__("token_end", 6),  # turns that do not reach the end
         lambda r: r["response_ids"].pop(),  # a per-token column one short
         lambda r: r["agent_turns"][1].update(tool_name=None),  # a tool turn that names no tool and no error
+        lambda r: r.update(tool_latency_s=0.35),  # the tool time counting the assistant turns too
     ],
     ids=[
         "tool-token-trained",
@@ -62,6 +65,7 @@ def _broken(change) -> dict:
         "turns-short",
         "ids-short",
         "no-tool",
+        "tool-time",
     ],
 )
 def test_check_trajectory_fails_each_broken_trajectory(change):

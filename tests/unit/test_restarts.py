@@ -148,8 +148,9 @@ class _Clock:
             return [Failed(0, "DistStoreError: timed out")]
         return [Done(r) for r in to]
 
-    def finish_sync(self, version: int, snapshot=None) -> None:
+    def finish_sync(self, version: int, snapshot=None) -> dict:
         self.finished.append(version)
+        return {}
 
     def history(self) -> tuple[list[tuple], list[int]]:
         return self.posted, self.finished

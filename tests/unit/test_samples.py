@@ -39,6 +39,7 @@ def response(prompt: str, index: int, versions: list[int], reward: float, finish
         "replica": 0,
         "generated_time": 0.0,
         "gen_latency_s": 0.1,
+        "tool_latency_s": 0.0,
         "reward": reward,
         "reward_error": None,
         "advantage": 0.0,
