@@ -4,7 +4,8 @@
     the 1,536 prompts in asyncrl's admission order, score_reverse, GRPO with n = 8 and 8 prompts per step, lr 5e-4,
     clip 0.2 / 0.28, token-mean, no KL, 48-token responses, 192 steps.
 (b) `long`: generation-heavy (bench/peers_task.py): a ~19M-parameter random Qwen2, the same prompts, 256-token
-    responses, the letters reward; otherwise the same algorithm and batch.
+    responses, the letters reward, bf16 compute on both sides (engine and trainer; TRL's `bf16`, its default);
+    otherwise the same algorithm and batch.
 
 Each setting of TRL's side and why is in docs/benchmarks.md ("Against TRL"); `trl_config` is the one place they are
 written down in code. Both sides start from the same files: `prepare` builds them once into the bench's directory
@@ -73,6 +74,10 @@ def prepare(root: Path, name: str, long_steps: int = LONG_STEPS) -> Workload:
         f"rollout.total_rollout_steps={long_steps * cfg.actor.ppo_mini_batch_size}",
         f"custom_reward_function.path={Path(peers_task.__file__).resolve()}",
         "custom_reward_function.name=compute_score",
+        # bf16 matmuls run on the CPU's AMX units, several times fp32's rate at this model's widths, where the embedded
+        # model's are too small to pay for autocast's casts (docs/benchmarks.md, "bf16 on the CPU").
+        "rollout.dtype=bfloat16",
+        "actor.fsdp_config.mixed_precision.param_dtype=bf16",
     ]
     return Workload(name, model, train, prompts_long, long_steps, load_config(None, overrides), "letters", overrides)
 
@@ -108,6 +113,11 @@ def _write_order(train: Path, cfg, total: int, out: Path) -> None:
     out.write_text("\n".join(lines) + "\n")
 
 
+def _bf16(cfg: RunConfig) -> bool:
+    """Whether asyncrl's trainer computes in bf16 (null is fp32 on a CPU, where both sides run)."""
+    return cfg.actor.fsdp_config.mixed_precision.param_dtype in ("bf16", "bfloat16")
+
+
 def trl_config(w: Workload) -> dict:
     """GRPOConfig keywords of the TRL side, read from the asyncrl run's own config so that both run the same algorithm
     and batch (docs/benchmarks.md says why each is set). Refuses a config TRL could not match."""
@@ -115,6 +125,12 @@ def trl_config(w: Workload) -> dict:
     a, r = cfg.actor, cfg.rollout
     if a.loss_agg_mode != "token-mean" or a.use_kl_loss or cfg.algorithm.adv_estimator != "grpo":
         raise SystemExit("bench.peers matches GRPO with token-mean and no KL loss only")
+    if (r.dtype == "bfloat16") != _bf16(cfg):
+        raise SystemExit(
+            f"rollout.dtype={r.dtype} and actor.fsdp_config.mixed_precision.param_dtype="
+            f"{a.fsdp_config.mixed_precision.param_dtype} differ: TRL generates with the model it trains, in one "
+            "dtype; set both to bf16 (bfloat16) or leave both unset"
+        )
     samples = a.ppo_mini_batch_size * r.n
     if samples % a.micro_batch_size:
         raise SystemExit(f"actor.micro_batch_size {a.micro_batch_size} must divide a step's {samples} samples")
@@ -143,7 +159,7 @@ def trl_config(w: Workload) -> dict:
         "num_iterations": 1,  # one pass over each batch, as asyncrl's one optimizer step per mini-batch
         "shuffle_dataset": False,  # the prompts file is already in asyncrl's order
         "gradient_checkpointing": False,  # GRPOConfig's default trades compute for memory nobody is short of here
-        "bf16": False,  # asyncrl trains in float32 on CPU
+        "bf16": _bf16(cfg),  # the trainer's compute dtype (autocast over fp32 weights on both sides)
         "use_cpu": True,
         "dataloader_num_workers": 0,
         "logging_steps": 1,

@@ -7,13 +7,16 @@ workload scaled down (conf/sim/verl_7b_128gpu.yaml: log-normal, sigma 1, mean 40
 draws the default CPU job's shape instead (64 rows, the embedded task's prompts of 4 to 21 tokens, responses of mean
 20 capped at data.max_response_length = 48), to decide its defaults.
 
-The variants (one fresh TorchTrainer each, from the same weights; fp32, one optimizer update per step):
+The variants (one fresh TorchTrainer each, from the same weights; fp32 unless named, one optimizer update per step):
 - padded: right-padded micro-batches of `--micro` rows (the trainer's path before packing);
 - packed: the same micro-batches, each packed into one row (model.use_remove_padding, per-sequence attention);
 - packed_nxn: the same, but with transformers' own packed attention (SDPA over the N x N block-diagonal mask it
   builds from the restarting positions), to show why the per-sequence path is ours;
 - packed_budget: packed, micro-batches by a token budget of `--budget` (actor.use_dynamic_bsz);
-- packed_budget_ckpt: and activation checkpointing (model.enable_gradient_checkpointing).
+- packed_budget_ckpt: and activation checkpointing (model.enable_gradient_checkpointing);
+- packed_bf16: packed, the forward and backward in bf16 over the fp32 weights
+  (actor.fsdp_config.mixed_precision.param_dtype=bf16): on a CPU with AMX (`lscpu` lists amx_bf16) bf16 matmuls run
+  at several times fp32's rate, which pays for autocast's casts once the model is wide enough (`--models long`).
 
 Measured per variant: step time, the median of `--steps` steps after a warm-up step, the variants taking their steps
 in turn (whatever else the machine runs slows them alike); peak memory, over one more step:
@@ -25,6 +28,7 @@ packed_budget_ckpt at most 0.5x padded's peak memory.
 
     python -m bench.trainer_efficiency                 # both models, a few minutes on 2 cores
     python -m bench.trainer_efficiency --workload default --models embedded
+    python -m bench.trainer_efficiency --models embedded,long --variants packed,packed_bf16   # bf16 against fp32
     python -m bench.trainer_efficiency --smoke         # seconds: a tiny model, to check the bench runs
 """
 
@@ -43,14 +47,17 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.peers_task import LONG_SHAPE
 from stages.sim.workload import Workload
 from stages.trainer.settings import ExecutionSettings, PolicySettings
 
 VOCAB = 300
-# Qwen2 shapes: the embedded model's (pipeline/tasks/embedded.py) and one 8x its parameters.
+# Qwen2 shapes: the embedded model's (pipeline/tasks/embedded.py), one 8x its parameters, and bench.peers' workload
+# (b)'s (bench/peers_task.py's LONG_SHAPE, ~18M parameters at this vocabulary).
 MODELS = {
     "embedded": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4),
     "larger": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4),
+    "long": LONG_SHAPE,
     "smoke": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1),
 }
 VARIANTS = {
@@ -59,6 +66,7 @@ VARIANTS = {
     "packed_nxn": dict(packed=True, budget=False, ckpt=False, nxn=True),
     "packed_budget": dict(packed=True, budget=True, ckpt=False),
     "packed_budget_ckpt": dict(packed=True, budget=True, ckpt=True),
+    "packed_bf16": dict(packed=True, budget=False, ckpt=False, bf16=True),
 }
 
 
@@ -137,12 +145,15 @@ def build(out: Path, shape: dict) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, num_key_value_heads=max(1, shape["num_attention_heads"] // 2), **shape)
+    config = Qwen2Config(
+        vocab_size=VOCAB, **{"num_key_value_heads": max(1, shape["num_attention_heads"] // 2), **shape}
+    )
     Qwen2ForCausalLM(config).save_pretrained(out)
     return str(out)
 
 
 def trainer(model_dir: str, variant: dict, args):
+    from stages.trainer.precision import MixedPrecision
     from stages.trainer.torch_backend import TorchTrainer
 
     policy = PolicySettings(
@@ -152,7 +163,8 @@ def trainer(model_dir: str, variant: dict, args):
         ppo_max_token_len_per_gpu=args.budget,
     )
     run = ExecutionSettings(use_remove_padding=variant["packed"], enable_gradient_checkpointing=variant["ckpt"])
-    out = TorchTrainer(model_dir, policy, torch_threads=args.threads, execution=run)
+    precision = MixedPrecision(param_dtype="bf16" if variant.get("bf16") else "fp32")
+    out = TorchTrainer(model_dir, policy, torch_threads=args.threads, execution=run, mixed_precision=precision)
     if variant.get("nxn"):
         out.model.set_attn_implementation("sdpa")  # transformers builds the block-diagonal N x N mask itself
     return out
@@ -174,7 +186,8 @@ def measure(model_dir: str, rows: dict, names: list[str], args) -> dict[str, dic
     for name, t in trainers.items():
         with PeakMemory() as memory:
             t.train_step([rows])
-        out[name] = {"step_s": statistics.median(times[name]), "peak_mb": memory.peak / 2**20}
+        dtype = str(t.compute_dtype).removeprefix("torch.")
+        out[name] = {"step_s": statistics.median(times[name]), "peak_mb": memory.peak / 2**20, "dtype": dtype}
     return out
 
 

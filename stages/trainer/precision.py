@@ -10,7 +10,9 @@ Precision, as verl's FSDP actor keeps it:
   compute in. bf16 casts the parameters on the fly (FSDP2's MixedPrecisionPolicy when sharded, `torch.autocast`
   around the forward in any case, as verl's forward step does), so the gradients land in the weights' fp32; the
   logits are turned into float32 before any logprob, entropy or loss is computed. Unset (None): bf16 on a GPU, as
-  verl's default, and fp32 on CPU, where bf16 matmuls are emulated and slower.
+  verl's default, and fp32 on CPU: a CPU without AMX (or AVX512-BF16) emulates bf16 matmuls, and on one with it the
+  embedded model's matmuls are too small to pay for autocast's casts; wider models gain from bf16 there
+  (docs/benchmarks.md, "bf16 on the CPU"), so set it.
 - `mixed_precision.reduce_dtype`: the dtype FSDP2 reduces gradients in across ranks (fp32, as verl).
 
 The dataclass is pure data (the config loads it without importing torch); the functions import torch.

@@ -75,5 +75,14 @@ def test_trl_runs_the_algorithm_of_the_asyncrl_config():
     assert (trl["per_device_train_batch_size"], trl["gradient_accumulation_steps"]) == (16, 2)
     assert (trl["lr_scheduler_type"], trl["beta"], trl["loss_type"]) == ("constant", 0.0, "dapo")
     assert trl["delta"] == cfg.actor.clip_ratio_c  # verl's dual clip
+    assert trl["bf16"] is False  # asyncrl's fp32 on a CPU
     with pytest.raises(SystemExit, match="token-mean"):
         trl_config(Workload("embedded", None, None, None, 10, load_config(None, ["actor.use_kl_loss=true"]), "reverse"))
+
+
+def test_trl_computes_in_the_dtype_of_the_asyncrl_trainer_and_engine():
+    bf16 = ["rollout.dtype=bfloat16", "actor.fsdp_config.mixed_precision.param_dtype=bf16"]
+    assert trl_config(Workload("long", None, None, None, 10, load_config(None, bf16), "letters"))["bf16"] is True
+    for one in bf16:  # TRL generates with the model it trains: one dtype for both
+        with pytest.raises(SystemExit, match="differ"):
+            trl_config(Workload("long", None, None, None, 10, load_config(None, [one]), "letters"))

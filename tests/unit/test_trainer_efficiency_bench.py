@@ -12,5 +12,7 @@ def test_the_smoke_run_reports_every_variant():
     assert all(results[("smoke", v)]["computed_tokens"] == real for v in VARIANTS if v != "padded")
     padded = results[("smoke", "padded")]
     assert padded["step_ratio"] == padded["peak_ratio"] == 1.0
+    dtypes = {v: results[("smoke", v)]["dtype"] for v in VARIANTS}  # the trainer's compute dtype
+    assert dtypes.pop("packed_bf16") == "bfloat16" and set(dtypes.values()) == {"float32"}
     for res in results.values():
         assert res["step_s"] > 0 and res["peak_mb"] > 0
