@@ -151,12 +151,13 @@ def plot(results: dict[str, dict[str, list[Run]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.2), squeeze=False)
-    colours = dict(zip(["asyncrl", "TRL"], ["tab:blue", "tab:orange"], strict=True))
     for ax, (workload, by_system) in zip(axes[0], results.items(), strict=True):
+        variants = (s for s in by_system if s not in ("asyncrl", "TRL"))  # each its own colour, after those two's
+        colours = {"asyncrl": "tab:blue", "TRL": "tab:orange"} | {s: f"C{i}" for i, s in enumerate(variants, 2)}
         for system, runs in by_system.items():
             for i, run in enumerate(runs):
                 xs = [at for _, at, _, _ in run.steps]
-                ax.plot(xs, moving_average([r for *_, r, _ in run.steps]), color=colours.get(system, None), alpha=0.8,
+                ax.plot(xs, moving_average([r for *_, r, _ in run.steps]), color=colours[system], alpha=0.8,
                         label=system if i == 0 else None)  # fmt: skip
         for target in TARGETS:
             ax.axhline(target, color="grey", linewidth=0.6, linestyle=":")
