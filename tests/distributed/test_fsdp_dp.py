@@ -8,8 +8,8 @@ loss. Tolerance against DP = 1 on every metric: 1e-5 relative or 1e-6 absolute, 
 in another order and pad their micro-batches to other widths, so float32 rounding differs: seen up to 2e-7
 relative, and 1.6e-7 absolute on pg_loss, a sum of signed O(1) per-token terms that nearly cancel. Weights after
 the step: within 2e-5 absolute (seen: about 4e-6), a hundredth of the step's largest move (2e-3, two AdamW updates
-at lr 1e-3). A DP = 2 checkpoint resumes bit for bit at DP = 2 and, being the single-process layout, at DP = 1
-within the metric tolerance.
+at lr 1e-3), but at a few elements whose gradient rounds near zero (adam_weights.py). A DP = 2 checkpoint resumes
+bit for bit at DP = 2 and, being the single-process layout, at DP = 1 within the metric tolerance.
 """
 
 import dataclasses
@@ -21,6 +21,7 @@ from pipeline.tasks.embedded import build_embedded
 from stages.trainer.micro_batches import MicroBatching
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings
 from stages.trainer.torch_backend import TorchTrainer
+from tests.distributed.adam_weights import assert_trained_alike
 
 POLICY = PolicySettings(lr=1e-3, micro_batch_size=2, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
 ARGS = dict(compute_prox_log_prob=True, rollout_correction=CorrectionSettings(rollout_is="token"))
@@ -92,7 +93,7 @@ def test_dp2_trains_with_dp1s_losses_and_its_checkpoint_resumes(ray_session, mod
     for name, value in want_weights.items():
         moved = np.abs(value - start[name]).max()
         assert moved > 0 or "norm" in name, name
-        np.testing.assert_allclose(got_weights[name], value, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+    assert_trained_alike(got_weights, want_weights, WEIGHT_ATOL, POLICY.lr, updates=2)
 
     # Checkpoint at DP = 2, then the next step three ways: continuing, resumed at DP = 2, resumed at DP = 1.
     ray.get(two.save_checkpoint.remote(str(tmp_path / "ckpt")))
@@ -146,6 +147,5 @@ def test_dp2_packed_with_token_budgets_and_checkpointing_trains_what_dp1_padded_
     got = ray.get(two.train_step.remote(batch))
     _assert_same_metrics(got, want, RTOL, ATOL)
     got_weights = _published(ray, two, tmp_path / "packed.safetensors")
-    for name, value in _weights(one).items():
-        np.testing.assert_allclose(got_weights[name], value, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+    assert_trained_alike(got_weights, _weights(one), WEIGHT_ATOL, POLICY.lr, updates=2)
     ray.kill(two)

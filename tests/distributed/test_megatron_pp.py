@@ -87,7 +87,7 @@ def test_the_backend_at_pp2_dp2_trains_exports_and_resumes_as_pp1(ray_session, m
     batch, start, meta, first, second, end = base.batch, base.start, base.meta, base.first, base.second, base.end
     grid = trainer(pp=2, dp=2)
     assert ray.get(grid.weight_meta.remote()) == meta
-    _assert_same_weights(_published(ray, grid, tmp_path / "grid_start.safetensors"), start, atol=0)
+    _assert_same_weights(_published(ray, grid, tmp_path / "grid_start.safetensors"), start, exact=True)
     prompts = [r for mb in batch for r in mb["prompt_ids"]]
     responses = [r for mb in batch for r in mb["response_ids"]]
     got = ray.get(grid.logprobs.remote(prompts, responses))  # each replica's last stage, back in the rows' order
@@ -101,5 +101,5 @@ def test_the_backend_at_pp2_dp2_trains_exports_and_resumes_as_pp1(ray_session, m
     ckpt = tmp_path / "ckpt"
     resumed = trainer(pp=2, model=str(ckpt / "model"), optimizer_state=str(ckpt / "optimizer.pt"))
     _assert_same_metrics(ray.get(resumed.train_step.remote(batch)), second)  # AdamW's moments came back too
-    _assert_same_weights(_published(ray, resumed, tmp_path / "resumed_end.safetensors"), end)
+    _assert_same_weights(_published(ray, resumed, tmp_path / "resumed_end.safetensors"), end, steps=2)
     ray.kill(resumed)
