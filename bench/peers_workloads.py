@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from bench import peers_task
 from pipeline.config import RunConfig, load_config
+from stages.trainer.precision import is_bf16
 
 WORKLOADS = ("embedded", "long")
 LONG_STEPS = 40  # steps of workload (b): enough to pass a reward of 0.8 on both sides (docs/benchmarks.md)
@@ -113,11 +114,6 @@ def _write_order(train: Path, cfg, total: int, out: Path) -> None:
     out.write_text("\n".join(lines) + "\n")
 
 
-def _bf16(cfg: RunConfig) -> bool:
-    """Whether asyncrl's trainer computes in bf16 (null is fp32 on a CPU, where both sides run)."""
-    return cfg.actor.fsdp_config.mixed_precision.param_dtype in ("bf16", "bfloat16")
-
-
 def trl_config(w: Workload) -> dict:
     """GRPOConfig keywords of the TRL side, read from the asyncrl run's own config so that both run the same algorithm
     and batch (docs/benchmarks.md says why each is set). Refuses a config TRL could not match."""
@@ -125,7 +121,8 @@ def trl_config(w: Workload) -> dict:
     a, r = cfg.actor, cfg.rollout
     if a.loss_agg_mode != "token-mean" or a.use_kl_loss or cfg.algorithm.adv_estimator != "grpo":
         raise SystemExit("bench.peers matches GRPO with token-mean and no KL loss only")
-    if (r.dtype == "bfloat16") != _bf16(cfg):
+    bf16 = is_bf16(a.fsdp_config.mixed_precision.param_dtype)  # null is fp32 on a CPU, where both sides run
+    if is_bf16(r.dtype) != bf16:
         raise SystemExit(
             f"rollout.dtype={r.dtype} and actor.fsdp_config.mixed_precision.param_dtype="
             f"{a.fsdp_config.mixed_precision.param_dtype} differ: TRL generates with the model it trains, in one "
@@ -159,7 +156,7 @@ def trl_config(w: Workload) -> dict:
         "num_iterations": 1,  # one pass over each batch, as asyncrl's one optimizer step per mini-batch
         "shuffle_dataset": False,  # the prompts file is already in asyncrl's order
         "gradient_checkpointing": False,  # GRPOConfig's default trades compute for memory nobody is short of here
-        "bf16": _bf16(cfg),  # the trainer's compute dtype (autocast over fp32 weights on both sides)
+        "bf16": bf16,  # the trainer's compute dtype (autocast over fp32 weights on both sides)
         "use_cpu": True,
         "dataloader_num_workers": 0,
         "logging_steps": 1,

@@ -223,10 +223,11 @@ def main(argv: list[str] | None = None) -> dict:
             model_dir = build(Path(tmp) / name, MODELS[name])
             print(f"\n{name} ({MODELS[name]}), {args.threads} threads")
             names = args.variants.split(",")
-            against = "x " + ("padded" if "padded" in names else names[0])
+            base_name = "padded" if "padded" in names else names[0]
+            against = f"x {base_name}"
             print(f"{'variant':<20}{'computed tok':>13}{'step s':>9}{against:>10}{'peak MiB':>10}{against:>10}")
             measured = measure(model_dir, rows, names, args)
-            base = measured["padded" if "padded" in names else names[0]]
+            base = measured[base_name]
             for variant in names:
                 spec, res = VARIANTS[variant], measured[variant]
                 res["step_ratio"], res["peak_ratio"] = res["step_s"] / base["step_s"], res["peak_mb"] / base["peak_mb"]

@@ -50,6 +50,11 @@ class MixedPrecision:
             )
 
 
+def is_bf16(name: str | None) -> bool:
+    """Whether `name` is one of verl's spellings of bf16 (None, the device's default, is not)."""
+    return _DTYPES.get(name or "") == "bfloat16"
+
+
 def to_dtype(name: str) -> torch.dtype:
     """A dtype from verl's spellings (fp32/float32, bf16/bfloat16)."""
     import torch
