@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,10 +162,13 @@ def packed_attention(module, query, key, value, attention_mask, cu_seq_lens_q=No
         q, k, v = (t.to(half) for t in (query, key, value))
         return _varlen_attention(q, k, v, cu_seq_lens_q, int(max_length_q), window, kwargs), None
     kwargs.pop("is_causal", None)
+    # One split per tensor, not a slice per sequence: a slice's backward writes its gradient into a zeroed tensor
+    # of the whole row, one such row per sequence; a split's backward is a single concatenation.
+    lengths = torch.diff(cu_seq_lens_q).tolist()
     pieces = []
-    for a, b in itertools.pairwise(cu_seq_lens_q.tolist()):
-        mask = None if window is None or b - a <= window else _window_mask(b - a, window, query.device)
-        q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
+    for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True):
+        n = q.shape[2]
+        mask = None if window is None or n <= window else _window_mask(n, window, query.device)
         pieces.append(sdpa_attention_forward(module, q, k, v, mask, is_causal=mask is None, **kwargs)[0])
     return torch.cat(pieces, dim=1), None
 

@@ -206,3 +206,27 @@ def test_sliding_window_layers_attend_within_their_window_when_packed(dense_dir,
     assert float((full.logp - padded.logp)[on].abs().max()) > 1e-2  # the window changes what the model computes
     assert float((packed.logp - padded.logp)[on].abs().max()) < LOGP_TOL
     _assert_grads_close(g_padded, g_packed)
+
+
+def _graph_nodes(root: torch.Tensor) -> dict[str, int]:
+    """The autograd graph behind `root`: how many nodes of each kind."""
+    counts: dict[str, int] = {}
+    seen, todo = set(), [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        counts[type(node).__name__] = counts.get(type(node).__name__, 0) + 1
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return counts
+
+
+def test_the_packed_backward_does_not_grow_a_node_per_sequence(dense_dir):
+    """Each sequence's query, key and value are pieces of one split: a slice per sequence would give each its own
+    backward node, which writes its gradient into a zeroed tensor of the whole packed row (sequences x row work)."""
+    trainer = _trainer(dense_dir, packed=True)
+    prompts, responses = _batch()
+    counts = [_graph_nodes(trainer._token_logprobs(prompts[:n], responses[:n]).logp.sum()) for n in (2, len(prompts))]
+    assert counts[0]["SplitWithSizesBackward0"] == counts[1]["SplitWithSizesBackward0"] > 0
+    assert counts[0].get("SliceBackward0", 0) == counts[1].get("SliceBackward0", 0)
