@@ -5,7 +5,8 @@ The mini-batch (`--workload long_tail`): 64 rows (8 prompts x 8 responses) whose
 workload scaled down (conf/sim/verl_7b_128gpu.yaml: log-normal, sigma 1, mean 4000 capped at 28000 tokens; here mean
 64 capped at 448, drawn with stages/sim/workload.py), each after a prompt of 8 to 24 tokens. `--workload default`
 draws the default CPU job's shape instead (64 rows, the embedded task's prompts of 4 to 21 tokens, responses of mean
-20 capped at data.max_response_length = 48), to decide its defaults.
+20 capped at data.max_response_length = 48), to decide its defaults; `--workload peers_long` bench.peers' workload (b)
+(the same prompts, responses of mean 242 tokens, most at the 256-token cap).
 
 The variants (one fresh TorchTrainer each, from the same weights; fp32 unless named, one optimizer update per step):
 - padded: right-padded micro-batches of `--micro` rows (the trainer's path before packing);
@@ -29,6 +30,7 @@ packed_budget at most 0.5x padded's step time, packed_budget_ckpt at most 0.5x p
     python -m bench.trainer_efficiency                 # both models, a few minutes on 2 cores
     python -m bench.trainer_efficiency --workload default --models embedded
     python -m bench.trainer_efficiency --models embedded,long --variants packed,packed_bf16   # bf16 against fp32
+    python -m bench.trainer_efficiency --models long --workload peers_long --variants packed_bf16 --micro 32
     python -m bench.trainer_efficiency --smoke         # seconds: a tiny model, to check the bench runs
 """
 
@@ -121,6 +123,9 @@ WORKLOADS = {
     "long_tail": Shape(rows=64, mean=64, cap=448, prompt=(8, 24)),  # the seed's 4000 / 28000, scaled down
     "default": Shape(rows=64, mean=20, cap=48, prompt=(4, 21)),  # the default job: 8 prompts x 8, max 48 tokens
     "smoke": Shape(rows=6, mean=16, cap=112, prompt=(2, 4)),
+    # bench.peers' workload (b): the embedded task's prompts, answers mostly at their 256-token cap (mean 242, 16,298
+    # tokens in all; the runs' own steps: 230-256 and 15.5-16.4k)
+    "peers_long": Shape(rows=64, mean=1024, cap=256, prompt=(4, 21)),
 }
 
 

@@ -101,7 +101,9 @@ class RolloutConfig:
     prompts_per_call: int = 2
     """Prompts per Generate call; calls_in_flight of them run concurrently in each engine."""
     calls_in_flight: int = 4
-    """Concurrent Generate calls per replica (continuous batching depth)."""
+    """Concurrent Generate calls per replica (continuous batching depth). Calls beyond it wait for one to end: where
+    a step's prompts outnumber prompts_per_call x calls_in_flight and nothing else overlaps (on-policy), a step's
+    generation runs in that many waves one after another."""
     engine_max_restarts: int = 3
     """Restarts of Generate replicas the run survives, all replicas together: Ray restarts a replica whose process
     or engine died, it loads the current weights and regenerates the prompts it had in flight. In push mode this

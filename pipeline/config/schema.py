@@ -347,7 +347,9 @@ class TrainerConfig:
     seed: int = 0
     """Seed for model init, warm start and sampling."""
     torch_threads: int = 1
-    """Intra-op threads of the trainer process."""
+    """Intra-op threads of the trainer process. On CPU, 1 leaves the other cores to the engines, which generate while
+    the trainer trains; on-policy (async_training.staleness_threshold=0) the two never run at once, and the trainer
+    may take the cores (docs/benchmarks.md, "Workload (b) on-policy: where the step went")."""
     val_before_train: bool = False
     """Validate the starting weights before the first step (needs data.val_files)."""
     save_freq: int = -1
