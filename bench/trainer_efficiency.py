@@ -123,8 +123,7 @@ WORKLOADS = {
     "long_tail": Shape(rows=64, mean=64, cap=448, prompt=(8, 24)),  # the seed's 4000 / 28000, scaled down
     "default": Shape(rows=64, mean=20, cap=48, prompt=(4, 21)),  # the default job: 8 prompts x 8, max 48 tokens
     "smoke": Shape(rows=6, mean=16, cap=112, prompt=(2, 4)),
-    # bench.peers' workload (b): the embedded task's prompts, answers mostly at their 256-token cap (mean 242, 16,298
-    # tokens in all; the runs' own steps: 230-256 and 15.5-16.4k)
+    # bench.peers' workload (b): the embedded task's prompts, answers mostly at their 256-token cap, as its runs' are
     "peers_long": Shape(rows=64, mean=1024, cap=256, prompt=(4, 21)),
 }
 
