@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -88,8 +89,12 @@ class RolloutConfig:
     """vLLM's chunked prefill; null: vLLM's default."""
     enable_prefix_caching: bool | None = None
     """vLLM's prefix cache; null: vLLM's default (the MoE route-capture hook turns it off)."""
-    enforce_eager: bool = True
-    """vLLM without CUDA graphs or torch.compile (the default here: engines start in seconds on CPU)."""
+    enforce_eager: bool | None = None
+    """vLLM without CUDA graphs or torch.compile (verl's key). null: verl's false on a GPU; true on CPU, where the
+    compile adds more to an engine's start than its faster decode steps save on short jobs."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """verl's key: the batch sizes vLLM captures CUDA graphs for (its compilation_config's; smaller lists hold less
+    GPU memory), over engine_kwargs.vllm.compilation_config's. null: vLLM's own. Needs enforce_eager false."""
     disable_log_stats: bool = True
     """Turn off vLLM's statistics (its periodic log and Prometheus metrics, and the scheduler and iteration stats they
     are made from at every decode step), as verl's default does; false turns them on."""
@@ -143,8 +148,15 @@ class RolloutConfig:
     prefix caching off), 'auto' native on a GPU, else the hook."""
 
     def engine_args(self) -> dict[str, Any]:
-        """vLLM's AsyncEngineArgs from the engine settings that are set, engine_kwargs.vllm last (it wins)."""
+        """vLLM's AsyncEngineArgs from the engine settings that are set, engine_kwargs.vllm over them, and
+        cudagraph_capture_sizes over its compilation_config's (a JSON string there read as verl reads it)."""
         knobs = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enable_prefix_caching")
         args = {k: getattr(self, k) for k in knobs if getattr(self, k) is not None}
-        fixed = {"enforce_eager": self.enforce_eager, "disable_log_stats": self.disable_log_stats}
-        return {**fixed, **args, **self.engine_kwargs.vllm}
+        if self.enforce_eager is not None:  # else the engine's own default for its device (vllm.engine_defaults)
+            args["enforce_eager"] = self.enforce_eager
+        args = {"disable_log_stats": self.disable_log_stats, **args, **self.engine_kwargs.vllm}
+        if self.cudagraph_capture_sizes is not None:
+            compilation = args.get("compilation_config") or {}
+            compilation = json.loads(compilation) if isinstance(compilation, str) else dict(compilation)
+            args["compilation_config"] = compilation | {"cudagraph_capture_sizes": list(self.cudagraph_capture_sizes)}
+        return args

@@ -34,9 +34,13 @@ from stages.engines.vllm_core import CoreLauncher, kv_cache_bytes
 from stages.engines.vllm_routes import make_route_capture
 from stages.transports import GroupAddress
 
-# What an engine gets unless its engine arguments say otherwise (rollout.engine_args() gives both from the config):
-# eager mode (no CUDA graphs or torch.compile: seconds to start on CPU) and no statistics, as verl's vLLM servers.
-ENGINE_DEFAULTS = {"enforce_eager": True, "disable_log_stats": True}
+
+def engine_defaults(gpu: bool) -> dict[str, Any]:
+    """What an engine gets unless its engine arguments say otherwise (rollout.engine_args() gives them from the
+    config): no statistics, as verl's vLLM servers; on a GPU CUDA graphs and torch.compile, as verl and vLLM default
+    to; on CPU eager mode, since the compile lengthens the engine's start by more than its faster decode steps give
+    back on short jobs (docs/benchmarks.md, "vLLM's compile on CPU")."""
+    return {"enforce_eager": not gpu, "disable_log_stats": True}
 
 
 class VLLMEngine:
@@ -62,7 +66,7 @@ class VLLMEngine:
         them). `ignore_eos`: fixed-length responses, for benchmarks and tests. `dtype`: the engine's (rollout.dtype);
         None: bfloat16 on a GPU, float32 on CPU. `routed_experts_capture`: capture MoE routes that way
         (vllm_routes.py); None: no capture. `engine_args`: more of vLLM's AsyncEngineArgs (rollout.engine_args():
-        eager mode, chunked prefill, batch limits, engine_kwargs.vllm) over ENGINE_DEFAULTS. Route capture's own
+        eager mode, chunked prefill, batch limits, engine_kwargs.vllm) over `engine_defaults`. Route capture's own
         needs win over them. `launcher`: how the engine core will start (vllm_core.py), made earlier by a caller that
         wants its imports under way; None: made here."""
         self.eos = eos_token_id(model_dir)
@@ -74,7 +78,7 @@ class VLLMEngine:
         self.kwargs |= parallel_args(tensor_parallel_size, gpu)
         if gpu:
             self.kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        self.kwargs |= {**ENGINE_DEFAULTS, **(engine_args or {})}
+        self.kwargs |= {**engine_defaults(gpu), **(engine_args or {})}
         if not gpu and "kv_cache_memory_bytes" not in self.kwargs:  # engine_kwargs.vllm may give it
             config = json.loads((Path(model_dir) / "config.json").read_text())
             fit = kv_cache_bytes(config, kv_cache_gb, max_model_len, dtype, self.kwargs, tensor_parallel_size)

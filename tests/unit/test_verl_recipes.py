@@ -5,11 +5,13 @@ verl, and the rule for keys of things asyncrl does not have is kept: noted when 
 an error naming the capability when they ask for it."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from pipeline.config import ConfigError, load_config
 from pipeline.config.verl_keys import RULES
+from stages.engines.vllm import VLLMEngine
 from tests.verl_recipes import classify, recipe, recipes
 
 DAPO_7B = "dapo_7b_math_fsdp2_8_8"
@@ -133,6 +135,44 @@ def test_the_engine_kwargs_of_vllm_reach_the_engine_and_verls_knobs_with_them():
     args = cfg.rollout.engine_args()
     assert args["max_num_batched_tokens"] == 1024 and args["enforce_eager"] is False
     assert args["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"} and not cfg.notices
+
+
+def test_cuda_graphs_are_on_by_default_on_a_gpu_as_in_verl_and_eager_on_cpu(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    args = load_config(None).rollout.engine_args()
+    assert "enforce_eager" not in args  # the engine decides by its device
+    on_gpu, on_cpu = (engine(tmp_path, gpu, args).kwargs["enforce_eager"] for gpu in (True, False))
+    assert on_gpu is False and on_cpu is True
+    forced = load_config(None, ["actor_rollout_ref.rollout.enforce_eager=True"]).rollout.engine_args()
+    assert engine(tmp_path, True, forced).kwargs["enforce_eager"] is True  # the key wins on either
+
+
+def test_verls_cudagraph_capture_sizes_reach_vllms_compilation_config_over_the_engine_kwargs():
+    base = ["actor_rollout_ref.rollout.cudagraph_capture_sizes=[8,16]"]
+    args = load_config(None, base).rollout.engine_args()
+    assert args["compilation_config"] == {"cudagraph_capture_sizes": [8, 16]}
+    for kwargs in ('{"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1]}', {"cudagraph_mode": "PIECEWISE"}):
+        cfg = load_config(None, base)
+        cfg.rollout.engine_kwargs.vllm["compilation_config"] = kwargs  # a JSON string, as verl's scripts may give
+        assert cfg.rollout.engine_args()["compilation_config"] == {
+            "cudagraph_mode": "PIECEWISE",
+            "cudagraph_capture_sizes": [8, 16],
+        }
+
+
+TINY_CONFIG = {
+    "eos_token_id": 2,
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+}
+
+
+def engine(model_dir, gpu: bool, engine_args: dict):
+    """A VLLMEngine as its replica would make it, without starting it (no vLLM import): `gpu` is its device."""
+    return VLLMEngine(str(model_dir), seed=0, engine_args=engine_args, launcher=SimpleNamespace(gpu=gpu))
 
 
 def test_vllms_stats_are_off_by_default_as_in_verl_and_its_key_turns_them_on():
