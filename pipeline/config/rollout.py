@@ -82,9 +82,11 @@ class RolloutConfig:
     max_model_len: int | None = None
     """The engine's context length; null: data.max_prompt_length + data.max_response_length."""
     max_num_batched_tokens: int | None = None
-    """vLLM's token budget of one scheduler step; null: vLLM's default."""
+    """vLLM's token budget of one scheduler step; null: verl's 8,192 on a GPU (at least max_model_len without chunked
+    prefill, which vLLM needs), vLLM's on CPU."""
     max_num_seqs: int | None = None
-    """vLLM's most sequences in one batch; null: vLLM's default."""
+    """vLLM's most sequences in one batch; null: verl's 256 on a GPU, vLLM's on CPU (128 for the engine asyncrl
+    starts; the fitted KV cache holds that many)."""
     enable_chunked_prefill: bool | None = None
     """vLLM's chunked prefill; null: vLLM's default."""
     enable_prefix_caching: bool | None = None

@@ -35,12 +35,17 @@ from stages.engines.vllm_routes import make_route_capture
 from stages.transports import GroupAddress
 
 
-def engine_defaults(gpu: bool) -> dict[str, Any]:
+def engine_defaults(gpu: bool, max_model_len: int, chunked_prefill: bool | None = None) -> dict[str, Any]:
     """What an engine gets unless its engine arguments say otherwise (rollout.engine_args() gives them from the
-    config): no statistics, as verl's vLLM servers; on a GPU CUDA graphs and torch.compile, as verl and vLLM default
-    to; on CPU eager mode, since the compile lengthens the engine's start by more than its faster decode steps give
-    back on short jobs (docs/benchmarks.md, "vLLM's compile on CPU")."""
-    return {"enforce_eager": not gpu, "disable_log_stats": True}
+    config): no statistics, as verl's vLLM servers. On a GPU verl's batch (256 sequences, 8,192 tokens a scheduler
+    step, at least the context length without chunked prefill; an AsyncLLM left to vLLM would take 128 and 2,048)
+    and CUDA graphs with torch.compile, as verl and vLLM default to. On CPU vLLM's batch, which the fitted KV cache
+    is sized for, and eager mode, since the compile lengthens the engine's start by more than its faster decode steps
+    give back on short jobs (docs/benchmarks.md, "vLLM's compile on CPU")."""
+    if not gpu:
+        return {"enforce_eager": True, "disable_log_stats": True}
+    budget = 8192 if chunked_prefill is not False else max(8192, max_model_len)
+    return {"enforce_eager": False, "max_num_seqs": 256, "max_num_batched_tokens": budget, "disable_log_stats": True}
 
 
 class VLLMEngine:
@@ -78,7 +83,9 @@ class VLLMEngine:
         self.kwargs |= parallel_args(tensor_parallel_size, gpu)
         if gpu:
             self.kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        self.kwargs |= {**engine_defaults(gpu), **(engine_args or {})}
+        engine_args = engine_args or {}
+        defaults = engine_defaults(gpu, max_model_len, engine_args.get("enable_chunked_prefill"))
+        self.kwargs |= {**defaults, **engine_args}
         if not gpu and "kv_cache_memory_bytes" not in self.kwargs:  # engine_kwargs.vllm may give it
             config = json.loads((Path(model_dir) / "config.json").read_text())
             fit = kv_cache_bytes(config, kv_cache_gb, max_model_len, dtype, self.kwargs, tensor_parallel_size)

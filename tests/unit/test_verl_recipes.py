@@ -137,14 +137,21 @@ def test_the_engine_kwargs_of_vllm_reach_the_engine_and_verls_knobs_with_them():
     assert args["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"} and not cfg.notices
 
 
-def test_cuda_graphs_are_on_by_default_on_a_gpu_as_in_verl_and_eager_on_cpu(tmp_path):
+def test_on_a_gpu_the_engine_takes_verls_batch_and_cuda_graphs_and_on_cpu_vllms_batch_eagerly(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
     args = load_config(None).rollout.engine_args()
-    assert "enforce_eager" not in args  # the engine decides by its device
-    on_gpu, on_cpu = (engine(tmp_path, gpu, args).kwargs["enforce_eager"] for gpu in (True, False))
-    assert on_gpu is False and on_cpu is True
-    forced = load_config(None, ["actor_rollout_ref.rollout.enforce_eager=True"]).rollout.engine_args()
-    assert engine(tmp_path, True, forced).kwargs["enforce_eager"] is True  # the key wins on either
+    assert not {"enforce_eager", "max_num_seqs", "max_num_batched_tokens"} & set(args)  # the engine decides by device
+    on_gpu, on_cpu = (engine(tmp_path, gpu, args).kwargs for gpu in (True, False))
+    assert (on_gpu["enforce_eager"], on_gpu["max_num_seqs"], on_gpu["max_num_batched_tokens"]) == (False, 256, 8192)
+    assert on_cpu["enforce_eager"] is True and not {"max_num_seqs", "max_num_batched_tokens"} & set(on_cpu)
+    keys = ["enforce_eager=True", "max_num_seqs=64", "max_num_batched_tokens=1024"]
+    forced = load_config(None, [f"actor_rollout_ref.rollout.{k}" for k in keys]).rollout.engine_args()
+    kwargs = engine(tmp_path, True, forced).kwargs  # the keys win on either device
+    assert (kwargs["enforce_eager"], kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (True, 64, 1024)
+    # Without chunked prefill vLLM needs a whole prompt in a step: the default budget grows to the context length.
+    unchunked = load_config(None, ["actor_rollout_ref.rollout.enable_chunked_prefill=False"]).rollout.engine_args()
+    assert engine(tmp_path, True, unchunked, max_model_len=20_000).kwargs["max_num_batched_tokens"] == 20_000
+    assert engine(tmp_path, True, args, max_model_len=20_000).kwargs["max_num_batched_tokens"] == 8192
 
 
 def test_verls_cudagraph_capture_sizes_reach_vllms_compilation_config_over_the_engine_kwargs():
@@ -166,13 +173,14 @@ TINY_CONFIG = {
     "hidden_size": 64,
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
-    "max_position_embeddings": 256,
+    "max_position_embeddings": 20_000,
 }
 
 
-def engine(model_dir, gpu: bool, engine_args: dict):
+def engine(model_dir, gpu: bool, engine_args: dict, max_model_len: int = 256):
     """A VLLMEngine as its replica would make it, without starting it (no vLLM import): `gpu` is its device."""
-    return VLLMEngine(str(model_dir), seed=0, engine_args=engine_args, launcher=SimpleNamespace(gpu=gpu))
+    launcher = SimpleNamespace(gpu=gpu)
+    return VLLMEngine(str(model_dir), 0, max_model_len, engine_args=engine_args, launcher=launcher)
 
 
 def test_vllms_stats_are_off_by_default_as_in_verl_and_its_key_turns_them_on():
