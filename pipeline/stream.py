@@ -103,8 +103,8 @@ def generate_stage(cfg: RunConfig, model_dir: str, clock: tuple[str, str], versi
             "max_model_len": ro.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
             "top_k": ro.top_k,
             "engine_args": ro.engine_args(),
-            # set here only when rollout.gpu_memory_utilization is; else a preset's stages.generate keyword may
-            **({"gpu_memory_utilization": ro.gpu_memory_utilization} if ro.gpu_memory_utilization else {}),
+            # set here only when the config gives a share; else a preset's stages.generate keyword may
+            **({"gpu_memory_utilization": share} if (share := ro.engine_gpu_share()) else {}),
             "kv_cache_gb": ro.kv_cache_gb,
             "tensor_parallel_size": ro.tensor_model_parallel_size,
             "dtype": ro.dtype,

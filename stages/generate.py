@@ -45,7 +45,7 @@ class VLLMGenerate:
         default_agent_loop: str = "single_turn_agent",
         multi_turn: dict[str, Any] | None = None,
         validation_only: bool = False,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = 0.5,
         enable_rollout_routing_replay: bool = False,
         routed_experts_capture: str = "auto",
         top_k: int = -1,

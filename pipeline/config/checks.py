@@ -122,8 +122,8 @@ def _engine_checks(cfg: RunConfig) -> list[tuple[bool, str]]:
             f"{need}: raise it or leave it null",
         ),
         (
-            ro.gpu_memory_utilization is None or 0 < ro.gpu_memory_utilization <= 1,
-            "rollout.gpu_memory_utilization must be in (0, 1]",
+            all(v is None or 0 < v <= 1 for v in (ro.gpu_memory_utilization, ro.standalone_gpu_memory_utilization)),
+            "rollout.gpu_memory_utilization and standalone_gpu_memory_utilization must be in (0, 1] (or null)",
         ),
         (ro.nnodes >= 1 and ro.n_gpus_per_node >= 0, "rollout.nnodes must be >= 1 and rollout.n_gpus_per_node >= 0"),
         (

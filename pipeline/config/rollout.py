@@ -77,8 +77,12 @@ class RolloutConfig:
     n_gpus_per_node: int = 0
     """verl's rollout GPUs per node (on CPU: engine devices per node); 0: rollout.num_replicas says how many."""
     gpu_memory_utilization: float | None = None
-    """vLLM's share of each engine's GPU (weights and KV cache); null: 0.9. vLLM on CPU sizes its KV cache by
-    rollout.kv_cache_gb instead."""
+    """vLLM's share of each engine's GPU (weights and KV cache); null: verl's 0.5 (a preset's
+    stages.generate.gpu_memory_utilization may give another). vLLM on CPU sizes its KV cache by rollout.kv_cache_gb
+    instead."""
+    standalone_gpu_memory_utilization: float | None = None
+    """verl's share for engines on GPUs of their own (its fully_async rollouter's standalone replicas, which every
+    engine here is): over gpu_memory_utilization when set; null: gpu_memory_utilization."""
     max_model_len: int | None = None
     """The engine's context length; null: data.max_prompt_length + data.max_response_length."""
     max_num_batched_tokens: int | None = None
@@ -148,6 +152,10 @@ class RolloutConfig:
     """How the engines capture routes: 'native' is vLLM's enable_return_routed_experts (needs its Model Runner V2,
     so a GPU; unverified here), 'hook' a capture function on every router in the engine worker (runs anywhere; turns
     prefix caching off), 'auto' native on a GPU, else the hook."""
+
+    def engine_gpu_share(self) -> float | None:
+        """Each engine's share of its GPU as verl's fully_async gives its standalone replicas; None: not configured."""
+        return self.standalone_gpu_memory_utilization or self.gpu_memory_utilization
 
     def engine_args(self) -> dict[str, Any]:
         """vLLM's AsyncEngineArgs from the engine settings that are set, engine_kwargs.vllm over them, and

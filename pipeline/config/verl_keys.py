@@ -127,9 +127,6 @@ RULES: dict[str, Rule] = {
     "rollout.quantization": capability("a quantized engine (fp8 and the like)"),
     "rollout.free_cache_engine": note(_SLEEP),
     "rollout.enable_sleep_mode": note(_SLEEP),
-    "rollout.standalone_gpu_memory_utilization": note(
-        "the engines' share of their GPU is rollout.gpu_memory_utilization (there is no colocated mode to tell apart)"
-    ),
     "rollout.data_parallel_size": capability(
         "data parallelism inside one engine: each replica is one engine; rollout.num_replicas (or "
         "rollout.nnodes x n_gpus_per_node) sets how many",

@@ -59,7 +59,7 @@ class VLLMEngine:
         kv_cache_gb: float | None = None,
         tensor_parallel_size: int = 1,
         dtype: str | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = 0.5,
         ignore_eos: bool = False,
         routed_experts_capture: str | None = None,
         engine_args: dict[str, Any] | None = None,

@@ -4,6 +4,7 @@ left to their own settings), the DAPO 7B recipe scaled to the embedded task load
 verl, and the rule for keys of things asyncrl does not have is kept: noted when they only tune something not in use,
 an error naming the capability when they ask for it."""
 
+import inspect
 import json
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import pytest
 from pipeline.config import ConfigError, load_config
 from pipeline.config.verl_keys import RULES
 from stages.engines.vllm import VLLMEngine
+from stages.generate import VLLMGenerate
 from tests.verl_recipes import classify, recipe, recipes
 
 DAPO_7B = "dapo_7b_math_fsdp2_8_8"
@@ -152,6 +154,18 @@ def test_on_a_gpu_the_engine_takes_verls_batch_and_cuda_graphs_and_on_cpu_vllms_
     unchunked = load_config(None, ["actor_rollout_ref.rollout.enable_chunked_prefill=False"]).rollout.engine_args()
     assert engine(tmp_path, True, unchunked, max_model_len=20_000).kwargs["max_num_batched_tokens"] == 20_000
     assert engine(tmp_path, True, args, max_model_len=20_000).kwargs["max_num_batched_tokens"] == 8192
+
+
+def test_the_engines_gpu_share_is_verls_standalone_one_over_the_shared_one_and_defaults_to_verls_half():
+    key = "actor_rollout_ref.rollout."
+    both = load_config(None, [f"{key}gpu_memory_utilization=0.5", f"{key}standalone_gpu_memory_utilization=0.85"])
+    assert both.rollout.engine_gpu_share() == 0.85 and not both.notices  # every engine here is standalone
+    assert load_config(None, [f"{key}gpu_memory_utilization=0.7"]).rollout.engine_gpu_share() == 0.7
+    assert load_config(None).rollout.engine_gpu_share() is None  # left to the stage (or a preset's keyword) ...
+    share = inspect.signature(VLLMGenerate).parameters["gpu_memory_utilization"].default
+    assert share == 0.5 == inspect.signature(VLLMEngine).parameters["gpu_memory_utilization"].default  # ... verl's
+    with pytest.raises(ConfigError, match="standalone_gpu_memory_utilization"):
+        load_config(None, [f"{key}standalone_gpu_memory_utilization=1.5"])
 
 
 def test_verls_cudagraph_capture_sizes_reach_vllms_compilation_config_over_the_engine_kwargs():
