@@ -24,6 +24,7 @@ from pipeline.config.placement import (
     trainer_nodes,
     trainer_rank_gpus,
     trainer_ranks,
+    trainer_threads,
 )
 from stages.advantage.otb import BASELINES
 from stages.trainer.ranks import RankPlacement
@@ -66,7 +67,7 @@ def start_trainer(ctx: RunContext, attempt: Attempt):
             use_rollout_log_probs=cfg.async_training.use_rollout_log_probs,
             compute_prox_log_prob=cfg.async_training.compute_prox_log_prob,
             seed=cfg.trainer.seed,
-            torch_threads=cfg.trainer.torch_threads,
+            torch_threads=trainer_threads(cfg),
             optimizer_state=str(ctx.optimizer_state) if ctx.optimizer_state else None,
             **extra,
         )

@@ -30,6 +30,10 @@ def validate(cfg: RunConfig) -> None:
         (cfg.rollout.engine_max_restarts >= 0, "rollout.engine_max_restarts must be >= 0 (0: no restarts)"),
         (cfg.trainer.max_restarts >= 0, "trainer.max_restarts must be >= 0 (0: a dead trainer ends the run)"),
         (
+            cfg.trainer.torch_threads is None or cfg.trainer.torch_threads >= 1,
+            "trainer.torch_threads must be >= 1, or null (decided by the run's shape)",
+        ),
+        (
             not (cfg.rollout.score_in_engine and cfg.uses_reference()),
             "rollout.score_in_engine leaves no place for the reference model between generation and scoring: set "
             "rollout.score_in_engine=false, or turn the KL off (actor.use_kl_loss, algorithm.use_kl_in_reward)",

@@ -95,6 +95,16 @@ def trainer_ranks(cfg: RunConfig) -> int:
     return cfg.actor.fsdp_config.fsdp_size if t.backend == "torch" else 1
 
 
+def trainer_threads(cfg: RunConfig) -> int:
+    """trainer.torch_threads with null resolved: 0 (every core of the trainer's process, counted there) where one
+    trainer process trains alone, the engines waiting for each sync (on-policy, a sync every step); else 1."""
+    if cfg.trainer.torch_threads is not None:
+        return cfg.trainer.torch_threads
+    at = cfg.async_training
+    alone = at.staleness_threshold == 0 and at.trigger_parameter_sync_step == 1 and trainer_ranks(cfg) == 1
+    return 0 if alone else 1
+
+
 def devices(cfg: RunConfig) -> tuple[int, int]:
     """The devices each side holds (GPUs on a GPU cluster): the trainer's ranks, and the engines' (replicas x TP)."""
     return trainer_ranks(cfg), cfg.rollout.num_replicas * cfg.rollout.tensor_model_parallel_size

@@ -346,10 +346,12 @@ class TrainerConfig:
     own, with ray.trainer_resource when the cluster marks trainer nodes)."""
     seed: int = 0
     """Seed for model init, warm start and sampling."""
-    torch_threads: int = 1
-    """Intra-op threads of the trainer process. On CPU, 1 leaves the other cores to the engines, which generate while
-    the trainer trains; on-policy (async_training.staleness_threshold=0) the two never run at once, and the trainer
-    may take the cores (docs/benchmarks.md, "Workload (b) on-policy: where the step went")."""
+    torch_threads: int | None = None
+    """Intra-op threads of the trainer process. null: every core the trainer's process may use where it trains
+    alone (one trainer process, async_training.staleness_threshold=0 and trigger_parameter_sync_step=1: the engines
+    wait for each sync, so engines and trainer never compute at once), else 1, which leaves the other cores to the
+    engines that generate while the trainer trains (docs/benchmarks.md, "Workload (b) on-policy: where the step
+    went")."""
     val_before_train: bool = False
     """Validate the starting weights before the first step (needs data.val_files)."""
     save_freq: int = -1

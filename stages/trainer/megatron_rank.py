@@ -30,6 +30,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,7 +77,7 @@ class MegatronRank:
         from megatron.core import parallel_state
 
         torch.manual_seed(seed)
-        torch.set_num_threads(torch_threads)
+        torch.set_num_threads(torch_threads or len(os.sched_getaffinity(0)))  # 0: every core it may use
         self.cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype is None and self.cuda) else torch.float32

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -92,7 +93,7 @@ class TorchTrainer(SendsWeights):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        torch.set_num_threads(torch_threads)
+        torch.set_num_threads(torch_threads or len(os.sched_getaffinity(0)))  # 0: every core it may use
         self.policy = policy or PolicySettings()
         self.dp = data_parallel or DPRank()
         self.device = pick_device(device)

@@ -1,11 +1,15 @@
-"""ray.placement: which actors ask for which node marker, and the check that refuses a layout the cluster cannot hold.
+"""ray.placement: which actors ask for which node marker, the check that refuses a layout the cluster cannot hold, and
+the cores the trainer computes on.
 
 Nodes are written as Ray reports them (`ray.nodes()[i]["Resources"]`); no Ray is started here.
 """
 
-import pytest
+import os
 
-from pipeline.config import load_config
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config
 from pipeline.config.placement import HEAD, SHARE, Placement, check, layout, resolve
 
 HEAD_NODE = {"CPU": 2.0, HEAD: 1.0, "node:127.0.0.1": 1.0, "memory": 8e9, "object_store_memory": 2e9}
@@ -186,3 +190,39 @@ def test_the_reference_model_asks_for_the_gpu_it_is_given():
     assert "ask for 1.25 GPU" in message and "ray.gpus_per_reference" in message
     tenths = ["ray.gpus_per_engine=0.45", "ray.gpus_per_trainer_rank=0.45", "ray.gpus_per_reference=0.1"]
     assert problem(cfg_of(*tenths), one_gpu, reference=True) is None
+
+
+@pytest.mark.parametrize(
+    "overrides, threads",
+    [
+        ([], 1),  # the default job: the engine generates while the trainer trains
+        (["async_training.staleness_threshold=0"], 0),  # on-policy: every core of the trainer's process
+        (["async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=2"], 1),
+        (["async_training.staleness_threshold=0", "actor.fsdp_config.fsdp_size=2"], 1),  # two ranks share the cores
+        (["async_training.staleness_threshold=0", "trainer.torch_threads=1"], 1),  # the key wins
+        (["trainer.torch_threads=3"], 3),
+    ],
+)
+def test_the_trainer_takes_every_core_only_where_it_trains_alone(overrides, threads):
+    from pipeline.config.placement import trainer_threads
+
+    assert trainer_threads(load_config(None, overrides)) == threads
+
+
+def test_no_trainer_threads_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError, match="trainer.torch_threads must be >= 1"):
+        load_config(None, ["trainer.torch_threads=0"])
+
+
+def test_a_trainer_given_no_thread_count_takes_every_core_of_its_process(tmp_path):
+    from pipeline.tasks.embedded import build_model
+    from stages.trainer.torch_backend import TorchTrainer
+
+    build_model(tmp_path, 40, seed=0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        TorchTrainer(str(tmp_path), torch_threads=0)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(before)
