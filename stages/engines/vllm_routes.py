@@ -83,7 +83,9 @@ class HookRoutes:
         self.fetching: asyncio.Task | None = None
 
     def engine_args(self) -> dict[str, Any]:
-        return {"enable_prefix_caching": False}
+        # Eager: the capture is a Python call in each forward, which a CUDA graph's replay or a compiled graph would
+        # skip or bake in (on a GPU the engine is otherwise compiled and graphed by default).
+        return {"enable_prefix_caching": False, "enforce_eager": True}
 
     async def start(self, engine: Any) -> None:
         shape = (await engine.collective_rpc("start_route_capture"))[0]

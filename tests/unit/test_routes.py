@@ -190,7 +190,7 @@ def test_native_routes_flatten_layers_and_choose_by_mode():
     got = run(NativeRoutes().rows(None, "r", output, 5, True))
     assert got.dtype == np.uint8 and got.shape == (5, 4) and list(got[1]) == [4, 5, 6, 7]
     assert NativeRoutes().engine_args() == {"enable_return_routed_experts": True}
-    assert HookRoutes().engine_args() == {"enable_prefix_caching": False}
+    assert HookRoutes().engine_args() == {"enable_prefix_caching": False, "enforce_eager": True}
     assert isinstance(make_route_capture("auto", on_gpu=False), HookRoutes)
     assert isinstance(make_route_capture("auto", on_gpu=True), NativeRoutes)
     assert isinstance(make_route_capture("hook", on_gpu=True), HookRoutes)

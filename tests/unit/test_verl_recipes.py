@@ -154,6 +154,10 @@ def test_on_a_gpu_the_engine_takes_verls_batch_and_cuda_graphs_and_on_cpu_vllms_
     unchunked = load_config(None, ["actor_rollout_ref.rollout.enable_chunked_prefill=False"]).rollout.engine_args()
     assert engine(tmp_path, True, unchunked, max_model_len=20_000).kwargs["max_num_batched_tokens"] == 20_000
     assert engine(tmp_path, True, args, max_model_len=20_000).kwargs["max_num_batched_tokens"] == 8192
+    hooked = VLLMEngine(
+        str(tmp_path), 0, 256, engine_args=args, launcher=SimpleNamespace(gpu=True), routed_experts_capture="hook"
+    )
+    assert hooked.kwargs["enforce_eager"] is True  # the router hook runs in Python at every forward
 
 
 def test_the_engines_gpu_share_is_verls_standalone_one_over_the_shared_one_and_defaults_to_verls_half():
