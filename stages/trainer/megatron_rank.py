@@ -30,7 +30,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from stages.trainer.megatron_inputs import Inputs, model_inputs
 from stages.trainer.megatron_moe import MegatronRouteReplay, layer_spec, moe_config
 from stages.trainer.megatron_pipeline import Stage, cpu_build, cpu_shims, scheduled_logprobs, scheduled_update
 from stages.trainer.packing import pack_rows, unpack_rows
+from stages.trainer.precision import set_threads
 from stages.trainer.ranks import LOOPBACK, join_world
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, MegatronRecompute, PolicySettings
 from stages.trainer.step import ROUTES_COLUMN, Minibatch, StepTotals, check_routes, micro_batched_logprobs
@@ -77,7 +77,7 @@ class MegatronRank:
         from megatron.core import parallel_state
 
         torch.manual_seed(seed)
-        torch.set_num_threads(torch_threads or len(os.sched_getaffinity(0)))  # 0: every core it may use
+        set_threads(torch_threads)
         self.cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if dtype == "bfloat16" or (dtype is None and self.cuda) else torch.float32

@@ -76,6 +76,16 @@ def pick_device(device: str | None = None) -> torch.device:
     return out
 
 
+def set_threads(torch_threads: int) -> None:
+    """The process's intra-op threads: `torch_threads`, or every core it may use when 0 (trainer.torch_threads null
+    where the trainer trains alone, pipeline/config/placement.py's trainer_threads)."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(torch_threads or len(os.sched_getaffinity(0)))
+
+
 def compute_dtype(param_dtype: str | None, device: torch.device) -> torch.dtype:
     """The forward's dtype: `param_dtype`, or bf16 on a GPU and fp32 on CPU when it is None."""
     import torch

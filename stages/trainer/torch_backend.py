@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -51,7 +50,7 @@ from stages.trainer.loss import TokenForward, entropy_from_logits
 from stages.trainer.lr_schedule import apply_lr
 from stages.trainer.offload import Offload
 from stages.trainer.packing import packed_forward, use_packed_attention
-from stages.trainer.precision import MixedPrecision, autocast, compute_dtype, pick_device, to_dtype
+from stages.trainer.precision import MixedPrecision, autocast, compute_dtype, pick_device, set_threads, to_dtype
 from stages.trainer.ranks import node_address
 from stages.trainer.settings import CorrectionSettings, ExecutionSettings, PolicySettings, correction_mode_error
 from stages.trainer.step import (
@@ -93,7 +92,7 @@ class TorchTrainer(SendsWeights):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        torch.set_num_threads(torch_threads or len(os.sched_getaffinity(0)))  # 0: every core it may use
+        set_threads(torch_threads)
         self.policy = policy or PolicySettings()
         self.dp = data_parallel or DPRank()
         self.device = pick_device(device)
